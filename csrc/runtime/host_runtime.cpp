@@ -1,0 +1,293 @@
+// The host backend: device memory is host memory, each stream is a worker thread that runs its work in
+// FIFO order, and events are completion markers, so asynchronous code behaves as it does on a GPU.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "common/error.h"
+#include "common/thread_pool.h"
+#include "runtime/device_runtime.h"
+
+namespace msrl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct HostEvent {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;   // generation of the latest record()
+  uint64_t completed = 0;  // generation that has been reached
+  bool timing = false;
+  Clock::time_point when{};
+
+  void complete(uint64_t gen) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (gen > completed) {
+        completed = gen;
+        when = Clock::now();
+      }
+    }
+    cv.notify_all();
+  }
+  void wait_for(uint64_t gen) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return completed >= gen; });
+  }
+};
+
+class HostStream {
+ public:
+  HostStream() : thread_([this] { loop(); }) {}
+  ~HostStream() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void enqueue(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+  }
+  void synchronize() {
+    std::unique_lock<std::mutex> lock(mu_);
+    uint64_t target = enqueued_;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stop_ and drained
+      auto task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();  // host tasks are memcpy and event bookkeeping; they do not throw
+      lock.lock();
+      ++done_;
+      done_cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::function<void()>> tasks_;
+  uint64_t enqueued_ = 0;
+  uint64_t done_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+constexpr size_t kPageBytes = 4096;
+constexpr size_t kHugeBytes = 2u << 20;
+
+void* aligned_host_alloc(size_t nbytes) {
+  MSRL_CHECK(nbytes > 0, kInvalidArgument, "allocation size must be > 0, got 0");
+  size_t align = nbytes >= kHugeBytes ? kHugeBytes : kPageBytes;
+  size_t rounded = (nbytes + align - 1) / align * align;
+  void* ptr = std::aligned_alloc(align, rounded);
+  MSRL_CHECK(ptr != nullptr, kOutOfMemory, "host allocation of ", nbytes, " bytes failed");
+  return ptr;
+}
+
+class HostRuntime final : public DeviceRuntime {
+ public:
+  const char* name() const override { return "host"; }
+  bool device_is_host() const override { return true; }
+  int device_count() override { return 1; }
+  void set_device(int device) override {
+    MSRL_CHECK(device == 0, kInvalidArgument, "host backend has one device (0), got ", device);
+  }
+
+  void* host_alloc_pinned(size_t nbytes) override { return aligned_host_alloc(nbytes); }
+  void host_free_pinned(void* ptr) override { std::free(ptr); }
+  void host_register(void* ptr, size_t nbytes) override {
+    MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot register a null pointer");
+    MSRL_CHECK(nbytes > 0, kInvalidArgument, "cannot register 0 bytes at ", ptr);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto begin = reinterpret_cast<uintptr_t>(ptr);
+    auto next = registered_.lower_bound(begin);
+    if (next != registered_.end()) {
+      MSRL_CHECK(next->first >= begin + nbytes, kInvalidArgument, "range ", ptr, "+", nbytes,
+                 " overlaps a registered range at 0x", std::hex, next->first);
+    }
+    if (next != registered_.begin()) {
+      auto prev = std::prev(next);
+      MSRL_CHECK(prev->first + prev->second <= begin, kInvalidArgument, "range ", ptr, "+", nbytes,
+                 " overlaps a registered range at 0x", std::hex, prev->first);
+    }
+    registered_[begin] = nbytes;
+  }
+  void host_unregister(void* ptr) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = registered_.find(reinterpret_cast<uintptr_t>(ptr));
+    MSRL_CHECK(it != registered_.end(), kNotFound, "pointer ", ptr, " is not registered");
+    registered_.erase(it);
+  }
+
+  void* device_alloc(size_t nbytes) override { return aligned_host_alloc(nbytes); }
+  void device_free(void* ptr) override { std::free(ptr); }
+
+  Stream stream_create() override { return new HostStream(); }
+  void stream_destroy(Stream stream) override { delete static_cast<HostStream*>(stream); }
+  void stream_synchronize(Stream stream) override {
+    if (stream != nullptr) static_cast<HostStream*>(stream)->synchronize();
+  }
+  void stream_wait_event(Stream stream, Event event) override {
+    auto* ev = check_event(event);
+    uint64_t target;
+    {
+      std::lock_guard<std::mutex> lock(ev->mu);
+      target = ev->recorded;
+    }
+    if (stream == nullptr) {
+      ev->wait_for(target);
+    } else {
+      static_cast<HostStream*>(stream)->enqueue([ev, target] { ev->wait_for(target); });
+    }
+  }
+
+  void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind, Stream stream) override {
+    if (nbytes == 0) return;
+    submit(stream, [dst, src, nbytes] { parallel_memcpy(dst, src, nbytes); });
+  }
+  void memcpy2d_async(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                      CopyKind kind, Stream stream) override {
+    CopyDescriptor d{0, 0, height, width, spitch, dpitch};
+    plan_async(&d, 1, static_cast<char*>(dst), static_cast<const char*>(src), kind, stream);
+  }
+  void plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src, CopyKind,
+                  Stream stream) override {
+    if (count == 0) return;
+    // The caller keeps `descs` alive only for this call, so the task owns a copy.
+    std::vector<CopyDescriptor> plan(descs, descs + count);
+    submit(stream, [plan = std::move(plan), dst, src] { run_plan(plan, dst, src); });
+  }
+
+  Event event_create(bool timing) override {
+    auto* ev = new HostEvent();
+    ev->timing = timing;
+    return ev;
+  }
+  void event_destroy(Event event) override { delete check_event(event); }
+  void event_record(Event event, Stream stream) override {
+    auto* ev = check_event(event);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(ev->mu);
+      gen = ++ev->recorded;
+    }
+    submit(stream, [ev, gen] { ev->complete(gen); });
+  }
+  bool event_query(Event event) override {
+    auto* ev = check_event(event);
+    std::lock_guard<std::mutex> lock(ev->mu);
+    return ev->completed >= ev->recorded;
+  }
+  void event_synchronize(Event event) override {
+    auto* ev = check_event(event);
+    uint64_t target;
+    {
+      std::lock_guard<std::mutex> lock(ev->mu);
+      target = ev->recorded;
+    }
+    ev->wait_for(target);
+  }
+  float event_elapsed_ms(Event start, Event end) override {
+    auto* a = check_event(start);
+    auto* b = check_event(end);
+    MSRL_CHECK(a->timing && b->timing, kInvalidArgument, "elapsed time needs two events created with timing=true");
+    std::lock_guard<std::mutex> la(a->mu);
+    std::lock_guard<std::mutex> lb(b->mu);
+    MSRL_CHECK(a->completed > 0 && a->completed >= a->recorded && b->completed > 0 && b->completed >= b->recorded,
+               kInvalidArgument, "elapsed time needs two completed events");
+    return std::chrono::duration<float, std::milli>(b->when - a->when).count();
+  }
+
+  // Large plans split by bytes across the shared pool; small ones run in one tight loop.
+  static void run_plan(const std::vector<CopyDescriptor>& plan, char* dst, const char* src) {
+    auto copy_rows = [&](const CopyDescriptor& d, uint64_t r0, uint64_t r1) {
+      for (uint64_t r = r0; r < r1; ++r) {
+        std::memcpy(dst + d.dst_offset + r * d.dst_pitch, src + d.src_offset + r * d.src_pitch, d.row_bytes);
+      }
+    };
+    uint64_t total = 0;
+    for (const auto& d : plan) total += d.bytes();
+    auto& pool = ThreadPool::shared();
+    constexpr uint64_t kMinPiece = 4u << 20;
+    size_t pieces = std::min<uint64_t>(pool.size(), std::max<uint64_t>(1, total / kMinPiece));
+    if (pieces <= 1) {
+      for (const auto& d : plan) {
+        if (d.rows == 1) {
+          std::memcpy(dst + d.dst_offset, src + d.src_offset, d.row_bytes);
+        } else {
+          copy_rows(d, 0, d.rows);
+        }
+      }
+      return;
+    }
+    // Cut the byte stream [0, total) into equal pieces; a piece covers whole rows, and a single-row
+    // descriptor larger than a piece is itself split.
+    uint64_t per_piece = (total + pieces - 1) / pieces;
+    pool.parallel_for(pieces, [&](size_t p) {
+      uint64_t lo = p * per_piece, hi = std::min(total, lo + per_piece);
+      uint64_t pos = 0;
+      for (const auto& d : plan) {
+        uint64_t b = d.bytes();
+        if (pos + b <= lo) {
+          pos += b;
+          continue;
+        }
+        if (pos >= hi) break;
+        if (d.rows == 1) {
+          uint64_t s = std::max(lo, pos) - pos, e = std::min(hi, pos + b) - pos;
+          std::memcpy(dst + d.dst_offset + s, src + d.src_offset + s, e - s);
+        } else {
+          // Rows whose first byte falls in [lo, hi).
+          uint64_t r0 = lo > pos ? (lo - pos + d.row_bytes - 1) / d.row_bytes : 0;
+          uint64_t r1 = std::min<uint64_t>(d.rows, (hi - pos + d.row_bytes - 1) / d.row_bytes);
+          copy_rows(d, r0, r1);
+        }
+        pos += b;
+      }
+    });
+  }
+
+ private:
+  static HostEvent* check_event(Event event) {
+    MSRL_CHECK(event != nullptr, kInvalidArgument, "event handle is null");
+    return static_cast<HostEvent*>(event);
+  }
+  static void submit(Stream stream, std::function<void()> task) {
+    if (stream == nullptr) {
+      task();  // the default stream is synchronous
+    } else {
+      static_cast<HostStream*>(stream)->enqueue(std::move(task));
+    }
+  }
+
+  std::mutex mu_;
+  std::map<uintptr_t, size_t> registered_;
+};
+
+}  // namespace
+
+std::shared_ptr<DeviceRuntime> make_host_runtime() { return std::make_shared<HostRuntime>(); }
+
+}  // namespace msrl

@@ -1,0 +1,102 @@
+// Backend selection and the parts of DeviceRuntime shared by every backend.
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "common/error.h"
+#include "runtime/device_runtime.h"
+
+namespace msrl {
+
+const char* copy_kind_name(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::kHostToHost: return "h2h";
+    case CopyKind::kHostToDevice: return "h2d";
+    case CopyKind::kDeviceToHost: return "d2h";
+    case CopyKind::kDeviceToDevice: return "d2d";
+  }
+  return "?";
+}
+
+void DeviceRuntime::plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src,
+                               CopyKind kind, Stream stream) {
+  for (size_t i = 0; i < count; ++i) {
+    const auto& d = descs[i];
+    if (d.rows == 1) {
+      memcpy_async(dst + d.dst_offset, src + d.src_offset, d.row_bytes, kind, stream);
+    } else if (d.rows > 1) {
+      memcpy2d_async(dst + d.dst_offset, d.dst_pitch, src + d.src_offset, d.src_pitch, d.row_bytes, d.rows, kind,
+                     stream);
+    }
+  }
+}
+
+namespace {
+
+std::mutex g_mu;
+std::map<std::string, std::shared_ptr<DeviceRuntime>> g_runtimes;  // by canonical name
+std::map<std::string, std::string> g_failures;                     // why a backend did not load
+
+std::string canonical(const std::string& device) {
+  if (device == "npu" || device == "acl" || device == "ascend") return "acl";
+  if (device == "cuda" || device == "gpu") return "cuda";
+  if (device == "host" || device == "cpu") return "host";
+  if (device == "auto" || device.empty()) return "auto";
+  MSRL_THROW(kInvalidArgument, "unknown device '", device, "'; allowed: auto, host, cpu, cuda, npu, acl");
+}
+
+// Loads (once) and caches a backend; remembers why it failed. Caller holds g_mu.
+std::shared_ptr<DeviceRuntime> load_locked(const std::string& name) {
+  auto it = g_runtimes.find(name);
+  if (it != g_runtimes.end()) return it->second;
+  auto failed = g_failures.find(name);
+  if (failed != g_failures.end()) MSRL_THROW(kUnavailable, failed->second);
+  try {
+    std::shared_ptr<DeviceRuntime> rt;
+    if (name == "host") rt = make_host_runtime();
+    if (name == "cuda") rt = make_cuda_runtime();
+    if (name == "acl") rt = make_acl_runtime();
+    g_runtimes[name] = rt;
+    return rt;
+  } catch (const Error& e) {
+    g_failures[name] = name + " backend unavailable: " + e.message();
+    throw;
+  }
+}
+
+}  // namespace
+
+std::vector<BackendInfo> probe_backends() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::vector<BackendInfo> out;
+  for (const char* name : {"host", "cuda", "acl"}) {
+    BackendInfo info;
+    info.name = name;
+    try {
+      auto rt = load_locked(name);
+      info.available = true;
+      info.detail = std::string(rt->name()) + ", " + std::to_string(rt->device_count()) + " device(s)";
+    } catch (const Error& e) {
+      info.available = false;
+      info.detail = e.message();
+    }
+    out.push_back(info);
+  }
+  return out;
+}
+
+std::shared_ptr<DeviceRuntime> get_runtime(const std::string& device) {
+  std::string name = canonical(device);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (name != "auto") return load_locked(name);
+  for (const char* candidate : {"cuda", "acl"}) {
+    try {
+      auto rt = load_locked(candidate);
+      if (rt->device_count() > 0) return rt;
+    } catch (const Error&) {
+    }
+  }
+  return load_locked("host");
+}
+
+}  // namespace msrl
