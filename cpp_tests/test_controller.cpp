@@ -1,0 +1,291 @@
+#include "dock/controller.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+#include "dock/dock.h"
+
+using namespace msrl;
+using namespace msrl::dock;
+
+namespace {
+
+Code code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  ADD_FAILURE() << "no msrl::Error thrown";
+  return Code::kUnavailable;
+}
+
+void mark(Controller& c, int col, std::vector<int64_t> rows) { c.mark_ready(col, rows.data(), rows.size()); }
+
+}  // namespace
+
+TEST(Controller, GroupIsClaimableOnlyWhenAllRowsHaveAllInputs) {
+  Controller c("ref", 8, 4, {0, 2});
+  mark(c, 0, {0, 1, 2, 3});
+  EXPECT_TRUE(c.claim(8, 0, 0).empty());
+  mark(c, 2, {0, 1, 2});
+  mark(c, 1, {3});  // a column this stage does not read
+  EXPECT_TRUE(c.claim(8, 0, 0).empty());
+  mark(c, 2, {3});
+  EXPECT_EQ(c.claim(8, 0, 0), (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_TRUE(c.claim(8, 0, 0).empty());  // exactly once
+  EXPECT_EQ(c.progress().consumed_rows, 4);
+}
+
+TEST(Controller, FifoByReadinessAndMaxRowsInWholeGroups) {
+  Controller c("s", 12, 2, {0});
+  mark(c, 0, {4, 5});
+  mark(c, 0, {0, 1});
+  mark(c, 0, {10, 11});
+  EXPECT_EQ(c.claim(5, 0, 0), (std::vector<int64_t>{4, 5, 0, 1}));  // 5 rows -> 2 groups
+  EXPECT_EQ(c.claim(2, 0, 0), (std::vector<int64_t>{10, 11}));
+  EXPECT_EQ(code_of([&] { c.claim(1, 0, 0); }), Code::kInvalidArgument);  // less than a group
+  EXPECT_EQ(code_of([&] { c.claim(4, 6, 0); }), Code::kInvalidArgument);  // min > max
+  EXPECT_EQ(code_of([&] { c.claim(4, 2, -1); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { mark(c, 0, {12}); }), Code::kInvalidArgument);
+}
+
+TEST(Controller, MarkReadyIsIdempotent) {
+  Controller c("s", 4, 2, {0});
+  mark(c, 0, {0, 1});
+  mark(c, 0, {0, 1});
+  EXPECT_EQ(c.claim(4, 0, 0).size(), 2u);
+  EXPECT_TRUE(c.claim(4, 0, 0).empty());
+}
+
+TEST(Controller, NonBlockingClaimWithMinRowsTimesOutAndClaimsNothing) {
+  Controller c("s", 8, 2, {0});
+  mark(c, 0, {0, 1});
+  EXPECT_EQ(code_of([&] { c.claim(8, 4, 0); }), Code::kTimeout);
+  EXPECT_EQ(c.progress().ready_rows, 2);
+  EXPECT_EQ(c.claim(8, 2, 0).size(), 2u);
+}
+
+TEST(Controller, BlockingClaimWakesOnMarkReady) {
+  Controller c("s", 8, 2, {0});
+  std::vector<int64_t> got;
+  std::chrono::steady_clock::time_point woke;
+  std::thread waiter([&] {
+    got = c.claim(4, 4, 10.0);
+    woke = std::chrono::steady_clock::now();
+  });
+  while (c.progress().waiting_claims == 0) std::this_thread::yield();
+  mark(c, 0, {2, 3});
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(got.empty());  // min_rows = 4 not reached yet
+  auto put_time = std::chrono::steady_clock::now();
+  mark(c, 0, {6, 7});
+  waiter.join();
+  EXPECT_EQ(got, (std::vector<int64_t>{2, 3, 6, 7}));
+  EXPECT_GE(woke, put_time);
+}
+
+TEST(Controller, BlockingClaimTimesOut) {
+  Controller c("s", 4, 2, {0});
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_EQ(code_of([&] { c.claim(2, 2, 0.05); }), Code::kTimeout);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(50));
+  EXPECT_EQ(c.progress().waiting_claims, 0);
+}
+
+TEST(Controller, MinRowsZeroWaitsThenReturnsEmpty) {
+  Controller c("s", 4, 2, {0});
+  EXPECT_TRUE(c.claim(2, 0, 0.01).empty());
+}
+
+TEST(Controller, ResetRefusedWhileWaitingAndCloseWakesWaiters) {
+  Controller c("s", 4, 2, {0});
+  Code waiter_code = Code::kUnavailable;
+  std::thread waiter([&] { waiter_code = code_of([&] { c.claim(2, 2, 30.0); }); });
+  while (c.progress().waiting_claims == 0) std::this_thread::yield();
+  EXPECT_EQ(code_of([&] { c.reset(); }), Code::kInvalidArgument);
+  c.close();
+  waiter.join();
+  EXPECT_EQ(waiter_code, Code::kClosed);
+  EXPECT_EQ(code_of([&] { c.claim(2, 0, 0); }), Code::kClosed);
+}
+
+TEST(Controller, ReleaseMakesGroupsClaimableAgain) {
+  Controller c("s", 8, 2, {0});
+  mark(c, 0, {0, 1, 2, 3});
+  auto rows = c.claim(4, 0, 0);
+  ASSERT_EQ(rows.size(), 4u);
+  std::vector<int64_t> bad = {1, 2};
+  EXPECT_EQ(code_of([&] { c.release(bad.data(), 2); }), Code::kInvalidArgument);
+  std::vector<int64_t> g1 = {2, 3};
+  c.release(g1.data(), 2);
+  EXPECT_EQ(c.claim(8, 0, 0), g1);
+  std::vector<int64_t> not_claimed = {4, 5};
+  EXPECT_EQ(code_of([&] { c.release(not_claimed.data(), 2); }), Code::kInvalidArgument);
+}
+
+TEST(Controller, ResetClearsEverything) {
+  Controller c("s", 4, 2, {0});
+  mark(c, 0, {0, 1});
+  c.claim(2, 0, 0);
+  c.reset();
+  EXPECT_EQ(c.progress().consumed_rows, 0);
+  EXPECT_FALSE(c.consumed(0));
+  EXPECT_TRUE(c.claim(2, 0, 0).empty());
+  mark(c, 0, {0, 1});
+  EXPECT_EQ(c.claim(2, 0, 0).size(), 2u);
+}
+
+// Exactly once under concurrency: producers mark random groups ready in random order while
+// consumers claim with random sizes; every row is claimed by exactly one consumer.
+TEST(Controller, ConcurrentClaimsNeverOverlapOrLoseRows) {
+  const int64_t G = 4, capacity = 4096;
+  Controller c("s", capacity, G, {0, 1});
+  std::vector<int64_t> order(capacity);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(7));
+  std::vector<std::atomic<int>> seen(capacity);
+  std::atomic<int64_t> claimed{0};
+  std::vector<std::thread> ts;
+  for (int p = 0; p < 2; ++p) {
+    ts.emplace_back([&, p] {
+      for (int64_t i = p; i < capacity; i += 2) {
+        for (int col = 0; col < 2; ++col) c.mark_ready(col, &order[i], 1);
+      }
+    });
+  }
+  for (int k = 0; k < 4; ++k) {
+    ts.emplace_back([&, k] {
+      std::mt19937 rng(k);
+      while (claimed.load() < capacity) {
+        int64_t max_rows = G * (1 + rng() % 16);
+        std::vector<int64_t> rows;
+        try {
+          rows = c.claim(max_rows, G, 0.05);
+        } catch (const Error& e) {
+          ASSERT_EQ(e.code(), Code::kTimeout);
+          continue;
+        }
+        ASSERT_EQ(rows.size() % G, 0u);
+        for (int64_t r : rows) seen[r].fetch_add(1);
+        claimed.fetch_add(static_cast<int64_t>(rows.size()));
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int64_t r = 0; r < capacity; ++r) ASSERT_EQ(seen[r].load(), 1) << "row " << r;
+  EXPECT_EQ(c.progress().consumed_rows, capacity);
+}
+
+// ---- DockCore: warehouses + controllers + allocator ----
+
+namespace {
+DockConfig small_config(int warehouses = 2) {
+  DockConfig cfg;
+  cfg.columns = {ColumnSpec{"prompt", DType::kInt64, true, {}, 1 << 16},
+                 ColumnSpec{"response", DType::kInt64, true, {}, 1 << 16},
+                 ColumnSpec{"reward", DType::kFloat32, false, {}, 0}};
+  cfg.stages = {StageSpec{"rollout", {"prompt"}}, StageSpec{"reward", {"prompt", "response"}},
+                StageSpec{"update", {"prompt", "response", "reward"}}};
+  cfg.capacity = 16;
+  cfg.group_size = 2;
+  cfg.warehouses = warehouses;
+  return cfg;
+}
+}  // namespace
+
+TEST(DockCore, StreamsRowsThroughStages) {
+  DockCore d(small_config());
+  std::vector<int64_t> plens = {2, 2, 3, 3};
+  std::vector<int64_t> prompts = {1, 1, 2, 2, 3, 3, 3, 4, 4, 4};
+  auto rows = d.put_new({ColumnInput{0, prompts.data(), prompts.size() * 8, plens.data()}}, 4);
+  ASSERT_EQ(rows.size(), 4u);
+  // Interleaved allocation: the two groups land in different warehouses.
+  EXPECT_NE(d.warehouse_of(rows[0]), d.warehouse_of(rows[2]));
+
+  auto got = d.claim(0, 4, 4, 0);
+  EXPECT_EQ(got, rows);
+  std::vector<int64_t> rlens = {1, 1, 1, 1};
+  std::vector<int64_t> resp = {10, 11, 12, 13};
+  EXPECT_TRUE(d.claim(1, 4, 0, 0).empty());
+  d.put({ColumnInput{1, resp.data(), 32, rlens.data()}}, got.data(), got.size());
+  auto r2 = d.claim(1, 4, 4, 0);
+  ASSERT_EQ(r2.size(), 4u);
+  std::vector<int64_t> lens(4);
+  d.lengths(0, r2.data(), 4, lens.data());
+  EXPECT_EQ(lens, plens);
+  std::vector<int64_t> packed(10);
+  d.gather(0, r2.data(), 4, packed.data(), 80);
+  EXPECT_EQ(packed, prompts);
+  std::vector<int64_t> padded(4 * 3);
+  d.gather_padded(0, r2.data(), 4, 3, padded.data());
+  EXPECT_EQ(padded, (std::vector<int64_t>{1, 1, 0, 2, 2, 0, 3, 3, 3, 4, 4, 4}));
+  EXPECT_EQ(d.claim_stats.count.load(), 3);
+  EXPECT_EQ(d.put_stats.rows.load(), 8);
+}
+
+TEST(DockCore, FailedMultiColumnPutChangesNothing) {
+  DockCore d(small_config());
+  std::vector<int64_t> plens = {1, 1};
+  std::vector<int64_t> p = {1, 2};
+  std::vector<float> rw = {0.5f};  // one reward for two rows: wrong size
+  EXPECT_EQ(code_of([&] {
+              d.put_new({ColumnInput{0, p.data(), 16, plens.data()}, ColumnInput{2, rw.data(), 4, nullptr}}, 2);
+            }),
+            Code::kInvalidArgument);
+  EXPECT_EQ(d.allocated_rows(), 0);
+  // Second column overflows its warehouse arena after the first reserved: both are undone.
+  DockConfig cfg = small_config(1);
+  cfg.columns[1].arena_bytes = 8;
+  DockCore d2(cfg);
+  std::vector<int64_t> big = {1, 2, 3, 4};
+  std::vector<int64_t> rl = {1, 1};
+  std::vector<int64_t> bl = {2, 2};
+  EXPECT_EQ(code_of([&] {
+              d2.put_new({ColumnInput{0, p.data(), 16, rl.data()}, ColumnInput{1, big.data(), 32, bl.data()}}, 2);
+            }),
+            Code::kOutOfMemory);
+  EXPECT_EQ(d2.allocated_rows(), 0);
+  EXPECT_EQ(d2.warehouse(0).bytes_held(), 0);
+  EXPECT_TRUE(d2.claim(0, 2, 0, 0).empty());
+  auto rows = d2.put_new({ColumnInput{0, p.data(), 16, rl.data()}}, 2);
+  EXPECT_EQ(rows.size(), 2u);
+}
+
+TEST(DockCore, RejectsUnallocatedRowsOverflowAndUnknownNames) {
+  DockCore d(small_config());
+  std::vector<float> rw = {1.f, 2.f};
+  std::vector<int64_t> rows = {0, 1};
+  EXPECT_EQ(code_of([&] { d.put({ColumnInput{2, rw.data(), 8, nullptr}}, rows.data(), 2); }), Code::kInvalidArgument);
+  std::vector<int64_t> out_of_range = {16, 17};
+  EXPECT_EQ(code_of([&] { d.put({ColumnInput{2, rw.data(), 8, nullptr}}, out_of_range.data(), 2); }),
+            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { (void)d.column_index("x"); }), Code::kNotFound);
+  EXPECT_EQ(code_of([&] { (void)d.stage_index("x"); }), Code::kNotFound);
+  std::vector<int64_t> l(18, 0);
+  EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, nullptr, 0, l.data()}}, 18); }), Code::kOutOfMemory);
+  EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, nullptr, 0, l.data()}}, 3); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.put_new({ColumnInput{0, nullptr, 0, l.data()}}, 16).size(), 16u);
+  EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, nullptr, 0, l.data()}}, 2); }), Code::kOutOfMemory);
+}
+
+TEST(DockCore, ResetRefusedWhileAClaimBlocks) {
+  DockCore d(small_config());
+  Code waiter = Code::kUnavailable;
+  std::thread t([&] { waiter = code_of([&] { d.claim(0, 2, 2, 30.0); }); });
+  while (d.controller(0).progress().waiting_claims == 0) std::this_thread::yield();
+  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
+  d.close();
+  t.join();
+  EXPECT_EQ(waiter, Code::kClosed);
+  d.reset();
+}

@@ -1,0 +1,209 @@
+#include "dock/warehouse.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+
+using namespace msrl;
+using namespace msrl::dock;
+
+namespace {
+
+std::vector<ColumnSpec> two_columns(int64_t arena_bytes = 1 << 16) {
+  ColumnSpec tokens{"tokens", DType::kInt64, true, {}, arena_bytes};
+  ColumnSpec reward{"reward", DType::kFloat32, false, {}, 0};
+  return {tokens, reward};
+}
+
+Code code_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  ADD_FAILURE() << "no msrl::Error thrown";
+  return Code::kUnavailable;
+}
+
+}  // namespace
+
+TEST(Warehouse, RaggedPutGatherRoundTrip) {
+  Warehouse w(0, 100, 8, two_columns());
+  std::vector<int64_t> rows = {103, 100, 101};
+  std::vector<int64_t> lens = {3, 0, 2};
+  std::vector<int64_t> vals = {1, 2, 3, 4, 5};
+  w.put(0, rows.data(), rows.size(), vals.data(), lens.data());
+
+  std::vector<int64_t> got_lens(3);
+  std::vector<int64_t> order = {100, 101, 103};
+  w.lengths(0, order.data(), 3, got_lens.data());
+  EXPECT_EQ(got_lens, (std::vector<int64_t>{0, 2, 3}));
+  std::vector<int64_t> out(5);
+  w.gather(0, order.data(), 3, out.data(), out.size() * 8);
+  EXPECT_EQ(out, (std::vector<int64_t>{4, 5, 1, 2, 3}));
+  EXPECT_EQ(w.column_stats(0).rows_written, 3);
+  EXPECT_EQ(w.bytes_held(), 40);
+}
+
+TEST(Warehouse, FixedShapeColumnAndPadded) {
+  ColumnSpec emb{"emb", DType::kFloat32, false, {2, 3}, 0};
+  Warehouse w(1, 0, 4, {emb});
+  std::vector<float> src(2 * 6);
+  std::iota(src.begin(), src.end(), 0.f);
+  std::vector<int64_t> rows = {2, 0};
+  w.put(0, rows.data(), 2, src.data(), nullptr);
+  std::vector<float> out(12);
+  std::vector<int64_t> order = {0, 2};
+  w.gather(0, order.data(), 2, out.data(), out.size() * 4);
+  EXPECT_EQ(out[0], 6.f);
+  EXPECT_EQ(out[6], 0.f);
+  EXPECT_EQ(out[11], 5.f);
+}
+
+TEST(Warehouse, GatherPaddedZeroFillsTails) {
+  Warehouse w(0, 0, 4, two_columns());
+  std::vector<int64_t> rows = {0, 1};
+  std::vector<int64_t> lens = {1, 3};
+  std::vector<int64_t> vals = {7, 8, 9, 10};
+  w.put(0, rows.data(), 2, vals.data(), lens.data());
+  std::vector<int64_t> out(2 * 4, -1);
+  w.gather_padded(0, rows.data(), 2, 4, out.data());
+  EXPECT_EQ(out, (std::vector<int64_t>{7, 0, 0, 0, 8, 9, 10, 0}));
+  EXPECT_EQ(code_of([&] { w.gather_padded(0, rows.data(), 2, 2, out.data()); }), Code::kInvalidArgument);
+}
+
+TEST(Warehouse, OverflowFailsWithOutOfMemoryAndKeepsRows) {
+  Warehouse w(0, 0, 8, two_columns(/*arena_bytes=*/64));  // 8 int64 items
+  std::vector<int64_t> rows = {0};
+  std::vector<int64_t> lens = {6};
+  std::vector<int64_t> vals = {1, 2, 3, 4, 5, 6};
+  w.put(0, rows.data(), 1, vals.data(), lens.data());
+  std::vector<int64_t> rows2 = {1, 2};
+  std::vector<int64_t> lens2 = {1, 2};
+  try {
+    std::vector<int64_t> v(3, 9);
+    w.put(0, rows2.data(), 2, v.data(), lens2.data());
+    FAIL() << "expected OutOfMemory";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Code::kOutOfMemory);
+    EXPECT_NE(e.message().find("tokens"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("24 bytes"), std::string::npos) << e.message();
+  }
+  // Row 0 intact, rows 1 and 2 still writable.
+  std::vector<int64_t> out(6);
+  w.gather(0, rows.data(), 1, out.data(), 48);
+  EXPECT_EQ(out, vals);
+  EXPECT_FALSE(w.ready(0, rows2.data(), 2));
+  std::vector<int64_t> lens3 = {1, 1};
+  std::vector<int64_t> v3 = {11, 12};
+  w.put(0, rows2.data(), 2, v3.data(), lens3.data());
+  EXPECT_TRUE(w.ready(0, rows2.data(), 2));
+}
+
+TEST(Warehouse, BadRowsAreRejectedWithoutChanges) {
+  Warehouse w(0, 10, 4, two_columns());
+  std::vector<float> r = {1.f, 2.f};
+  std::vector<int64_t> out_of_range = {10, 14};
+  EXPECT_EQ(code_of([&] { w.put(1, out_of_range.data(), 2, r.data(), nullptr); }), Code::kInvalidArgument);
+  std::vector<int64_t> dup = {11, 11};
+  EXPECT_EQ(code_of([&] { w.put(1, dup.data(), 2, r.data(), nullptr); }), Code::kInvalidArgument);
+  std::vector<int64_t> ok = {10, 11};
+  EXPECT_FALSE(w.ready(1, ok.data(), 2));
+  w.put(1, ok.data(), 2, r.data(), nullptr);
+  // Written once per iteration.
+  EXPECT_EQ(code_of([&] { w.put(1, ok.data(), 2, r.data(), nullptr); }), Code::kInvalidArgument);
+  std::vector<int64_t> not_written = {12};
+  float f;
+  EXPECT_EQ(code_of([&] { w.gather(1, not_written.data(), 1, &f, 4); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { (void)w.column_index("nope"); }), Code::kNotFound);
+  std::vector<int64_t> neg = {-1};
+  std::vector<int64_t> v = {1};
+  EXPECT_EQ(code_of([&] { w.put(0, ok.data(), 1, v.data(), neg.data()); }), Code::kInvalidArgument);
+}
+
+TEST(Warehouse, AbortReturnsRowsAndTailSpace) {
+  Warehouse w(0, 0, 4, two_columns(64));
+  std::vector<int64_t> rows = {0, 1};
+  std::vector<int64_t> lens = {4, 4};
+  Reservation r = w.reserve(0, rows.data(), 2, lens.data());
+  EXPECT_EQ(w.column_stats(0).bytes_used, 64);
+  w.abort(r);
+  EXPECT_EQ(w.column_stats(0).bytes_used, 0);
+  std::vector<int64_t> v(8, 3);
+  w.put(0, rows.data(), 2, v.data(), lens.data());  // the space came back
+  EXPECT_TRUE(w.ready(0, rows.data(), 2));
+}
+
+TEST(Warehouse, ResetClearsAndReusesArena) {
+  Warehouse w(0, 0, 2, two_columns(32));
+  std::vector<int64_t> rows = {0};
+  std::vector<int64_t> lens = {4};
+  std::vector<int64_t> v = {1, 2, 3, 4};
+  w.put(0, rows.data(), 1, v.data(), lens.data());
+  w.reset();
+  EXPECT_FALSE(w.ready(0, rows.data(), 1));
+  EXPECT_EQ(w.bytes_held(), 0);
+  std::vector<int64_t> v2 = {5, 6, 7, 8};
+  w.put(0, rows.data(), 1, v2.data(), lens.data());
+  std::vector<int64_t> out(4);
+  w.gather(0, rows.data(), 1, out.data(), 32);
+  EXPECT_EQ(out, v2);
+}
+
+TEST(Warehouse, ResetRefusedWhileAPutIsInFlight) {
+  Warehouse w(0, 0, 2, two_columns());
+  std::vector<int64_t> rows = {0};
+  std::vector<int64_t> lens = {1};
+  Reservation r = w.reserve(0, rows.data(), 1, lens.data());
+  EXPECT_EQ(code_of([&] { w.reset(); }), Code::kInvalidArgument);
+  w.abort(r);
+  w.reset();
+}
+
+TEST(Warehouse, LargePutUsesPoolAndIsExact) {
+  const int64_t n = 64, len = 16384;  // 8 MiB of int64
+  Warehouse w(0, 0, n, two_columns(n * len * 8));
+  std::vector<int64_t> rows(n), lens(n, len);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::vector<int64_t> vals(n * len);
+  std::iota(vals.begin(), vals.end(), 0);
+  w.put(0, rows.data(), n, vals.data(), lens.data());
+  std::vector<int64_t> rev(rows.rbegin(), rows.rend());
+  std::vector<int64_t> out(n * len);
+  w.gather(0, rev.data(), n, out.data(), out.size() * 8);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(out[i * len], (n - 1 - i) * len);
+    ASSERT_EQ(out[i * len + len - 1], (n - 1 - i) * len + len - 1);
+  }
+}
+
+TEST(Warehouse, ConcurrentPutsToDistinctRows) {
+  const int threads = 4, per = 64;
+  Warehouse w(0, 0, threads * per, two_columns(threads * per * 8 * 8));
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      for (int i = 0; i < per; ++i) {
+        int64_t row = t * per + i;
+        int64_t len = 1 + row % 8;
+        std::vector<int64_t> v(len, row);
+        w.put(0, &row, 1, v.data(), &len);
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int64_t row = 0; row < threads * per; ++row) {
+    int64_t len;
+    w.lengths(0, &row, 1, &len);
+    ASSERT_EQ(len, 1 + row % 8);
+    std::vector<int64_t> out(len);
+    w.gather(0, &row, 1, out.data(), len * 8);
+    for (int64_t x : out) ASSERT_EQ(x, row);
+  }
+}

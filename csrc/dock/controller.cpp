@@ -1,0 +1,174 @@
+#include "dock/controller.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/error.h"
+
+namespace msrl::dock {
+
+Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns)
+    : stage_(std::move(stage)), capacity_(capacity), group_size_(group_size), inputs_(std::move(input_columns)) {
+  MSRL_CHECK(group_size_ > 0, kInvalidArgument, "stage '", stage_, "': group_size must be > 0, got ", group_size_);
+  MSRL_CHECK(capacity_ > 0 && capacity_ % group_size_ == 0, kInvalidArgument, "stage '", stage_,
+             "': capacity must be a positive multiple of group_size ", group_size_, ", got ", capacity_);
+  MSRL_CHECK(!inputs_.empty(), kInvalidArgument, "stage '", stage_, "' must read at least one column");
+  MSRL_CHECK(inputs_.size() < 65535, kInvalidArgument, "stage '", stage_, "' reads too many columns");
+  for (int c : inputs_) {
+    MSRL_CHECK(c >= 0, kInvalidArgument, "stage '", stage_, "': column id must be >= 0, got ", c);
+    max_column_ = std::max(max_column_, c);
+  }
+  slot_.assign(max_column_ + 1, -1);
+  for (size_t s = 0; s < inputs_.size(); ++s) {
+    MSRL_CHECK(slot_[inputs_[s]] == -1, kInvalidArgument, "stage '", stage_, "' lists column ", inputs_[s], " twice");
+    slot_[inputs_[s]] = static_cast<int>(s);
+  }
+  ready_bits_.assign(inputs_.size() * capacity_, 0);
+  ready_count_.assign(capacity_, 0);
+  group_ready_.assign(capacity_ / group_size_, 0);
+  consumed_.assign(capacity_, 0);
+}
+
+int Controller::slot_of(int column) const {
+  return (column >= 0 && column <= max_column_) ? slot_[column] : -1;
+}
+
+bool Controller::reads(int column) const { return slot_of(column) >= 0; }
+
+void Controller::check_row(int64_t row) const {
+  MSRL_CHECK(row >= 0 && row < capacity_, kInvalidArgument, "stage '", stage_, "': row ", row,
+             " out of range [0, ", capacity_, ")");
+}
+
+void Controller::mark_ready(int column, const int64_t* rows, size_t n) {
+  const int slot = slot_of(column);
+  if (slot < 0) return;
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  const uint16_t need = static_cast<uint16_t>(inputs_.size());
+  bool woke = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint8_t* bits = ready_bits_.data() + static_cast<size_t>(slot) * capacity_;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t row = rows[i];
+      if (bits[row]) continue;  // idempotent
+      bits[row] = 1;
+      if (++ready_count_[row] == need) {
+        const int64_t g = row / group_size_;
+        if (++group_ready_[g] == group_size_ && !consumed_[g * group_size_]) {
+          queue_.push_back(g);
+          woke = true;
+        }
+      }
+    }
+  }
+  if (woke) cv_.notify_all();
+}
+
+std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s) {
+  MSRL_CHECK(max_rows >= group_size_, kInvalidArgument, "stage '", stage_, "': max_rows ", max_rows,
+             " is smaller than one group (group_size ", group_size_, ")");
+  MSRL_CHECK(min_rows >= 0 && min_rows <= max_rows, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
+             " must be in [0, max_rows=", max_rows, "]");
+  MSRL_CHECK(timeout_s >= 0 && std::isfinite(timeout_s), kInvalidArgument, "stage '", stage_,
+             "': timeout must be a finite number of seconds >= 0, got ", timeout_s);
+  const size_t max_groups = static_cast<size_t>(max_rows / group_size_);
+  const size_t min_groups = static_cast<size_t>((min_rows + group_size_ - 1) / group_size_);
+  MSRL_CHECK(min_groups <= max_groups, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
+             " rounds up to more whole groups than max_rows ", max_rows, " allows");
+
+  std::unique_lock<std::mutex> lock(mu_);
+  MSRL_CHECK(!closed_, kClosed, "stage '", stage_, "': the dock is closed");
+  if (queue_.size() < std::max<size_t>(min_groups, 1) && timeout_s > 0) {
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                               std::chrono::duration<double>(timeout_s));
+    ++waiting_;
+    const size_t want = std::max<size_t>(min_groups, 1);
+    bool ok = cv_.wait_until(lock, deadline, [&] { return closed_ || queue_.size() >= want; });
+    --waiting_;
+    MSRL_CHECK(!closed_, kClosed, "stage '", stage_, "': the dock was closed while a claim waited");
+    if (!ok && queue_.size() < min_groups) {
+      MSRL_THROW(kTimeout, "stage '", stage_, "': claim of ", min_rows, "..", max_rows, " rows timed out after ",
+                 timeout_s, " s with ", queue_.size() * group_size_, " rows ready");
+    }
+  }
+  if (queue_.size() < min_groups) {
+    MSRL_THROW(kTimeout, "stage '", stage_, "': ", queue_.size() * group_size_, " rows ready, fewer than min_rows ",
+               min_rows, " (timeout ", timeout_s, " s)");
+  }
+  const size_t take = std::min(max_groups, queue_.size());
+  std::vector<int64_t> rows;
+  rows.reserve(take * group_size_);
+  for (size_t k = 0; k < take; ++k) {
+    const int64_t g = queue_.front();
+    queue_.pop_front();
+    for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) {
+      consumed_[r] = 1;
+      rows.push_back(r);
+    }
+  }
+  consumed_rows_ += static_cast<int64_t>(rows.size());
+  return rows;
+}
+
+void Controller::release(const int64_t* rows, size_t n) {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  bool woke = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      MSRL_CHECK(consumed_[rows[i]], kInvalidArgument, "stage '", stage_, "': row ", rows[i],
+                 " is not claimed, cannot release it");
+    }
+    MSRL_CHECK(n % group_size_ == 0, kInvalidArgument, "stage '", stage_, "': release of ", n,
+               " rows is not whole groups of ", group_size_);
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t expect = rows[i - i % group_size_] + static_cast<int64_t>(i % group_size_);
+      MSRL_CHECK(rows[i - i % group_size_] % group_size_ == 0 && rows[i] == expect, kInvalidArgument, "stage '",
+                 stage_, "': release takes whole groups in row order; row ", rows[i], " breaks a group");
+    }
+    for (size_t i = 0; i < n; i += group_size_) {
+      const int64_t g = rows[i] / group_size_;
+      if (!consumed_[g * group_size_]) continue;  // the same group listed twice
+      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) consumed_[r] = 0;
+      consumed_rows_ -= group_size_;
+      queue_.push_front(g);
+      woke = true;
+    }
+  }
+  if (woke) cv_.notify_all();
+}
+
+StageProgress Controller::progress() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return StageProgress{static_cast<int64_t>(queue_.size()) * group_size_, consumed_rows_, waiting_};
+}
+
+bool Controller::consumed(int64_t row) const {
+  check_row(row);
+  std::lock_guard<std::mutex> lock(mu_);
+  return consumed_[row] != 0;
+}
+
+void Controller::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  MSRL_CHECK(waiting_ == 0, kInvalidArgument, "stage '", stage_, "': reset() while ", waiting_,
+             " claim(s) are waiting; stop the workers or close() the dock first");
+  std::fill(ready_bits_.begin(), ready_bits_.end(), 0);
+  std::fill(ready_count_.begin(), ready_count_.end(), 0);
+  std::fill(group_ready_.begin(), group_ready_.end(), 0);
+  std::fill(consumed_.begin(), consumed_.end(), 0);
+  queue_.clear();
+  consumed_rows_ = 0;
+}
+
+void Controller::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+}
+
+}  // namespace msrl::dock

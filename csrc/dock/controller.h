@@ -1,0 +1,78 @@
+// Controller: the metadata plane of one stage. No tensor bytes, only bits per row.
+//
+// Per input column a readiness bit per row; per row the number of ready input columns; per group
+// the number of fully ready rows. When a group's last row becomes ready it joins a FIFO queue, so a
+// claim pops whole groups in O(groups claimed) and never rescans the rows. A consumed bit per row
+// makes every row go to the stage exactly once per iteration. Blocking claims wait on a condition
+// variable with a deadline; mark_ready() notifies. No polling.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace msrl::dock {
+
+struct StageProgress {
+  int64_t ready_rows = 0;      // ready and not yet claimed
+  int64_t consumed_rows = 0;   // claimed since the last reset
+  int64_t waiting_claims = 0;  // claims blocked right now
+};
+
+class Controller {
+ public:
+  // input_columns: dock column ids this stage reads; a row is ready when all of them are written.
+  Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns);
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  const std::string& stage() const { return stage_; }
+  const std::vector<int>& input_columns() const { return inputs_; }
+  bool reads(int column) const;
+
+  // Marks the rows' column written (a no-op for columns this stage does not read) and wakes waiters.
+  void mark_ready(int column, const int64_t* rows, size_t n);
+
+  // Claims up to max_rows rows as whole groups, FIFO by readiness. Waits until at least min_rows
+  // (rounded up to whole groups) are ready or timeout_s passes (Timeout; nothing claimed). With
+  // timeout_s == 0 it never waits and returns what is ready (maybe nothing, when min_rows == 0).
+  std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s);
+
+  // Puts claimed rows back (a worker failed): they become claimable again. Rows must be consumed.
+  void release(const int64_t* rows, size_t n);
+
+  StageProgress progress() const;
+  bool consumed(int64_t row) const;
+  // Clears every bit. Throws InvalidArgument (nothing changed) while a claim is waiting.
+  void reset();
+  // Wakes every waiter with Closed; later claims raise Closed.
+  void close();
+
+ private:
+  int slot_of(int column) const;
+  void check_row(int64_t row) const;
+
+  const std::string stage_;
+  const int64_t capacity_;
+  const int64_t group_size_;
+  const std::vector<int> inputs_;
+  int max_column_ = -1;
+  std::vector<int> slot_;  // dock column id -> input slot, -1 if not read
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> ready_bits_;     // [slot * capacity + row]
+  std::vector<uint16_t> ready_count_;   // per row: input columns written
+  std::vector<int64_t> group_ready_;    // per group: fully ready rows
+  std::vector<uint8_t> consumed_;       // per row
+  std::deque<int64_t> queue_;           // groups fully ready and not consumed, FIFO
+  int64_t consumed_rows_ = 0;
+  int64_t waiting_ = 0;
+  bool closed_ = false;
+};
+
+}  // namespace msrl::dock

@@ -1,0 +1,355 @@
+#include "dock/dock.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "common/error.h"
+
+namespace msrl::dock {
+
+namespace {
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Records an operation's latency when it leaves scope (also on error paths: errors are operations).
+class Timer {
+ public:
+  Timer(OpStats& s) : s_(s), start_(now_ns()) {}
+  ~Timer() { s_.record(now_ns() - start_, rows, bytes); }
+  int64_t rows = 0, bytes = 0;
+
+ private:
+  OpStats& s_;
+  int64_t start_;
+};
+}  // namespace
+
+void OpStats::record(int64_t ns, int64_t nrows, int64_t nbytes) {
+  count.fetch_add(1, std::memory_order_relaxed);
+  total_ns.fetch_add(ns, std::memory_order_relaxed);
+  rows.fetch_add(nrows, std::memory_order_relaxed);
+  bytes.fetch_add(nbytes, std::memory_order_relaxed);
+  int64_t m = max_ns.load(std::memory_order_relaxed);
+  while (ns > m && !max_ns.compare_exchange_weak(m, ns, std::memory_order_relaxed)) {
+  }
+}
+
+DockCore::DockCore(DockConfig config) : config_(std::move(config)) {
+  const int64_t G = config_.group_size;
+  MSRL_CHECK(G > 0, kInvalidArgument, "group_size must be > 0, got ", G);
+  MSRL_CHECK(config_.capacity > 0 && config_.capacity % G == 0, kInvalidArgument,
+             "capacity must be a positive multiple of group_size ", G, ", got ", config_.capacity);
+  const int64_t groups = config_.capacity / G;
+  MSRL_CHECK(config_.warehouses > 0 && config_.warehouses <= groups, kInvalidArgument, "warehouses must be in [1, ",
+             groups, "] (one group at least per warehouse), got ", config_.warehouses);
+  MSRL_CHECK(!config_.stages.empty(), kInvalidArgument, "a dock needs at least one stage");
+  const int S = config_.warehouses;
+  // Warehouse w owns groups [w*groups/S, (w+1)*groups/S).
+  group_warehouse_.resize(groups);
+  for (int w = 0; w < S; ++w) {
+    const int64_t gb = w * groups / S, ge = (w + 1) * groups / S;
+    for (int64_t g = gb; g < ge; ++g) group_warehouse_[g] = w;
+    std::vector<ColumnSpec> cols = config_.columns;
+    warehouses_.push_back(std::make_unique<Warehouse>(w, gb * G, (ge - gb) * G, std::move(cols)));
+  }
+  readers_.resize(config_.columns.size());
+  for (size_t s = 0; s < config_.stages.size(); ++s) {
+    const StageSpec& st = config_.stages[s];
+    for (size_t j = 0; j < s; ++j) {
+      MSRL_CHECK(config_.stages[j].name != st.name, kInvalidArgument, "duplicate stage name '", st.name, "'");
+    }
+    std::vector<int> inputs;
+    for (const std::string& c : st.inputs) {
+      int ci = -1;
+      for (size_t k = 0; k < config_.columns.size(); ++k)
+        if (config_.columns[k].name == c) ci = static_cast<int>(k);
+      MSRL_CHECK(ci >= 0, kNotFound, "stage '", st.name, "' reads unknown column '", c, "'");
+      inputs.push_back(ci);
+      readers_[ci].push_back(static_cast<int>(s));
+    }
+    controllers_.push_back(std::make_unique<Controller>(st.name, config_.capacity, G, std::move(inputs)));
+  }
+  group_allocated_.assign(groups, 0);
+  // Interleave: first group of each warehouse, then the second, ...
+  std::vector<int64_t> next(S);
+  for (int w = 0; w < S; ++w) next[w] = w * groups / S;
+  while (static_cast<int64_t>(free_order_.size()) < groups) {
+    for (int w = 0; w < S; ++w) {
+      if (next[w] < (w + 1) * groups / S) free_order_.push_back(next[w]++);
+    }
+  }
+}
+
+int DockCore::column_index(const std::string& name) const {
+  for (size_t c = 0; c < config_.columns.size(); ++c)
+    if (config_.columns[c].name == name) return static_cast<int>(c);
+  std::string known;
+  for (const auto& c : config_.columns) known += (known.empty() ? "" : ", ") + c.name;
+  MSRL_THROW(kNotFound, "unknown column '", name, "'; columns are: ", known);
+}
+
+int DockCore::stage_index(const std::string& name) const {
+  for (size_t s = 0; s < config_.stages.size(); ++s)
+    if (config_.stages[s].name == name) return static_cast<int>(s);
+  std::string known;
+  for (const auto& s : config_.stages) known += (known.empty() ? "" : ", ") + s.name;
+  MSRL_THROW(kNotFound, "unknown stage '", name, "'; stages are: ", known);
+}
+
+int DockCore::warehouse_of(int64_t row) const {
+  MSRL_CHECK(row >= 0 && row < config_.capacity, kInvalidArgument, "row ", row, " out of range [0, ",
+             config_.capacity, ")");
+  return group_warehouse_[row / config_.group_size];
+}
+
+std::vector<int64_t> DockCore::allocate(int64_t n) {
+  const int64_t G = config_.group_size;
+  MSRL_CHECK(n > 0 && n % G == 0, kInvalidArgument, "a put of new rows must hold whole groups of ", G,
+             " rows, got ", n, " rows");
+  const size_t want = static_cast<size_t>(n / G);
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  const size_t free_groups = returned_.size() + (free_order_.size() - next_free_);
+  MSRL_CHECK(want <= free_groups, kOutOfMemory, "put of ", n, " new rows overflows the dock: ",
+             free_groups * G, " of ", config_.capacity, " rows free (capacity); reset() frees them");
+  std::vector<int64_t> rows;
+  rows.reserve(n);
+  for (size_t k = 0; k < want; ++k) {
+    int64_t g;
+    if (!returned_.empty()) {
+      g = returned_.back();
+      returned_.pop_back();
+    } else {
+      g = free_order_[next_free_++];
+    }
+    group_allocated_[g] = 1;
+    for (int64_t r = g * G; r < (g + 1) * G; ++r) rows.push_back(r);
+  }
+  allocated_groups_ += static_cast<int64_t>(want);
+  return rows;
+}
+
+void DockCore::free_rows(const std::vector<int64_t>& rows) {
+  const int64_t G = config_.group_size;
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  for (size_t i = 0; i < rows.size(); i += G) {
+    const int64_t g = rows[i] / G;
+    group_allocated_[g] = 0;
+    returned_.push_back(g);
+    --allocated_groups_;
+  }
+}
+
+bool DockCore::allocated(int64_t row) const {
+  if (row < 0 || row >= config_.capacity) return false;
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  return group_allocated_[row / config_.group_size] != 0;
+}
+
+int64_t DockCore::allocated_rows() const {
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  return allocated_groups_ * config_.group_size;
+}
+
+void DockCore::check_allocated(const int64_t* rows, size_t n) const {
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  for (size_t i = 0; i < n; ++i) {
+    MSRL_CHECK(rows[i] >= 0 && rows[i] < config_.capacity, kInvalidArgument, "row ", rows[i], " out of range [0, ",
+               config_.capacity, ")");
+    MSRL_CHECK(group_allocated_[rows[i] / config_.group_size], kInvalidArgument, "row ", rows[i],
+               " was never allocated (put new rows without rows= first)");
+  }
+}
+
+std::vector<int64_t> DockCore::put_new(const std::vector<ColumnInput>& inputs, int64_t n) {
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  std::vector<int64_t> rows = allocate(n);
+  try {
+    put_locked(inputs, rows.data(), rows.size());
+  } catch (...) {
+    free_rows(rows);
+    throw;
+  }
+  return rows;
+}
+
+void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  put_locked(inputs, rows, n);
+}
+
+void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
+  Timer timer(put_stats);
+  MSRL_CHECK(!inputs.empty(), kInvalidArgument, "put needs at least one column");
+  MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
+  check_allocated(rows, n);
+  const int S = num_warehouses();
+
+  // Validate every column and route rows to warehouses before touching anything.
+  struct Route {
+    std::vector<int64_t> rows, lengths, src_offsets;
+  };
+  std::vector<std::vector<Route>> routes(inputs.size(), std::vector<Route>(S));
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    const ColumnInput& in = inputs[k];
+    MSRL_CHECK(in.column >= 0 && in.column < static_cast<int>(config_.columns.size()), kNotFound, "column id ",
+               in.column, " out of range");
+    for (size_t j = 0; j < k; ++j) {
+      MSRL_CHECK(inputs[j].column != in.column, kInvalidArgument, "column '", config_.columns[in.column].name,
+                 "' given twice in one put");
+    }
+    const ColumnSpec& spec = config_.columns[in.column];
+    const int64_t item = static_cast<int64_t>(spec.item_bytes());
+    int64_t off = 0;
+    for (size_t i = 0; i < n; ++i) {
+      int64_t len = 1;
+      if (spec.ragged) {
+        MSRL_CHECK(in.lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths required");
+        len = in.lengths[i];
+        MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': negative length ", len, " at row ", rows[i]);
+      }
+      Route& r = routes[k][warehouse_of(rows[i])];
+      r.rows.push_back(rows[i]);
+      r.lengths.push_back(len);
+      r.src_offsets.push_back(off);
+      off += len * item;
+    }
+    MSRL_CHECK(static_cast<size_t>(off) == in.nbytes, kInvalidArgument, "column '", spec.name, "': ", n,
+               " rows need ", off, " bytes of values, got ", in.nbytes);
+    timer.bytes += off;
+  }
+  timer.rows = static_cast<int64_t>(n);
+
+  // Reserve everywhere (all-or-nothing), copy without locks, commit, then publish readiness.
+  std::vector<std::pair<int, Reservation>> reserved;
+  reserved.reserve(inputs.size() * S);
+  std::vector<size_t> route_of;  // index into (k, w) for each reservation
+  try {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      for (int w = 0; w < S; ++w) {
+        const Route& r = routes[k][w];
+        if (r.rows.empty()) continue;
+        reserved.emplace_back(
+            w, warehouses_[w]->reserve(inputs[k].column, r.rows.data(), r.rows.size(), r.lengths.data()));
+        route_of.push_back(k * S + w);
+      }
+    }
+  } catch (...) {
+    for (auto& [w, res] : reserved) warehouses_[w]->abort(res);
+    throw;
+  }
+  for (size_t i = 0; i < reserved.size(); ++i) {
+    const size_t k = route_of[i] / S, w = route_of[i] % S;
+    warehouses_[reserved[i].first]->write(reserved[i].second, static_cast<const uint8_t*>(inputs[k].data),
+                                          routes[k][w].src_offsets.data());
+  }
+  for (auto& [w, res] : reserved) warehouses_[w]->commit(res);
+  for (const ColumnInput& in : inputs) {
+    for (int s : readers_[in.column]) controllers_[s]->mark_ready(in.column, rows, n);
+  }
+}
+
+std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s) {
+  MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
+             " out of range");
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  Timer timer(claim_stats);
+  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s);
+  timer.rows = static_cast<int64_t>(rows.size());
+  return rows;
+}
+
+void DockCore::release(int stage, const int64_t* rows, size_t n) {
+  MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
+             " out of range");
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  controllers_[stage]->release(rows, n);
+}
+
+void DockCore::lengths(int column, const int64_t* rows, size_t n, int64_t* out) const {
+  std::vector<const uint8_t*> ptrs(1);
+  for (size_t i = 0; i < n; ++i) {
+    warehouses_[warehouse_of(rows[i])]->views(column, rows + i, 1, ptrs.data(), out + i);
+  }
+}
+
+void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes) {
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  Timer timer(fetch_stats);
+  MSRL_CHECK(column >= 0 && column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", column,
+             " out of range");
+  const size_t item = config_.columns[column].item_bytes();
+  std::vector<const uint8_t*> ptrs(n);
+  std::vector<int64_t> lens(n);
+  for (size_t i = 0; i < n; ++i) {
+    warehouses_[warehouse_of(rows[i])]->views(column, rows + i, 1, ptrs.data() + i, lens.data() + i);
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += static_cast<size_t>(lens[i]) * item;
+  MSRL_CHECK(total == dst_bytes, kInvalidArgument, "column '", config_.columns[column].name, "': ", n,
+             " rows hold ", total, " bytes, destination has ", dst_bytes);
+  std::vector<Segment> segs;
+  segs.reserve(n);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t nb = static_cast<size_t>(lens[i]) * item;
+    if (nb) segs.push_back({out, ptrs[i], nb});
+    out += nb;
+  }
+  copy_segments(std::move(segs));
+  timer.rows = static_cast<int64_t>(n);
+  timer.bytes = static_cast<int64_t>(total);
+}
+
+void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst) {
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  Timer timer(fetch_stats);
+  MSRL_CHECK(column >= 0 && column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", column,
+             " out of range");
+  MSRL_CHECK(max_items >= 0, kInvalidArgument, "padded width must be >= 0, got ", max_items);
+  const size_t item = config_.columns[column].item_bytes();
+  const size_t stride = static_cast<size_t>(max_items) * item;
+  std::vector<const uint8_t*> ptrs(n);
+  std::vector<int64_t> lens(n);
+  for (size_t i = 0; i < n; ++i) {
+    warehouses_[warehouse_of(rows[i])]->views(column, rows + i, 1, ptrs.data() + i, lens.data() + i);
+    MSRL_CHECK(lens[i] <= max_items, kInvalidArgument, "column '", config_.columns[column].name, "': row ", rows[i],
+               " has ", lens[i], " items, more than the padded width ", max_items);
+  }
+  std::vector<Segment> segs;
+  segs.reserve(n);
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t nb = static_cast<size_t>(lens[i]) * item;
+    if (nb) segs.push_back({out + i * stride, ptrs[i], nb});
+    if (nb < stride) std::memset(out + i * stride + nb, 0, stride - nb);
+  }
+  copy_segments(std::move(segs));
+  timer.rows = static_cast<int64_t>(n);
+  timer.bytes = static_cast<int64_t>(n * stride);
+}
+
+void DockCore::reset() {
+  std::unique_lock<std::shared_mutex> ops(ops_mu_, std::try_to_lock);
+  if (!ops.owns_lock()) {
+    int64_t waiting = 0;
+    for (const auto& c : controllers_) waiting += c->progress().waiting_claims;
+    MSRL_THROW(kInvalidArgument, "reset() while operations are in flight (", waiting,
+               " blocked claim(s), or a put/fetch/reset running); nothing was reset");
+  }
+  for (const auto& c : controllers_) c->reset();
+  for (const auto& w : warehouses_) w->reset();
+  std::lock_guard<std::mutex> lock(alloc_mu_);
+  std::fill(group_allocated_.begin(), group_allocated_.end(), 0);
+  next_free_ = 0;
+  returned_.clear();
+  allocated_groups_ = 0;
+}
+
+void DockCore::close() {
+  for (const auto& c : controllers_) c->close();
+}
+
+}  // namespace msrl::dock

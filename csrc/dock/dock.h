@@ -1,0 +1,113 @@
+// DockCore: the embedded ("local") transfer dock — S warehouses, one controller per stage, and the
+// row allocator, all in one process. The Ray backend uses Warehouse and Controller directly.
+//
+// Rows are grouped: group g holds rows [g*G, (g+1)*G) and lives in exactly one warehouse (warehouse w
+// owns a contiguous range of groups). New rows are allocated as whole groups, interleaved across
+// warehouses so consecutive groups spread the load.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dock/controller.h"
+#include "dock/warehouse.h"
+
+namespace msrl::dock {
+
+struct StageSpec {
+  std::string name;
+  std::vector<std::string> inputs;
+};
+
+struct DockConfig {
+  std::vector<ColumnSpec> columns;  // ragged columns: arena_bytes is per warehouse
+  std::vector<StageSpec> stages;
+  int64_t capacity = 0;             // rows
+  int64_t group_size = 1;
+  int warehouses = 1;
+};
+
+// One column of a put: values packed in row order; lengths (items per row) for ragged columns.
+struct ColumnInput {
+  int column = -1;
+  const void* data = nullptr;
+  size_t nbytes = 0;
+  const int64_t* lengths = nullptr;
+};
+
+struct OpStats {
+  std::atomic<int64_t> count{0};
+  std::atomic<int64_t> total_ns{0};
+  std::atomic<int64_t> max_ns{0};
+  std::atomic<int64_t> rows{0};
+  std::atomic<int64_t> bytes{0};
+  void record(int64_t ns, int64_t nrows, int64_t nbytes);
+};
+
+class DockCore {
+ public:
+  explicit DockCore(DockConfig config);
+  DockCore(const DockCore&) = delete;
+  DockCore& operator=(const DockCore&) = delete;
+
+  const DockConfig& config() const { return config_; }
+  int column_index(const std::string& name) const;  // NotFound
+  int stage_index(const std::string& name) const;   // NotFound
+  int num_warehouses() const { return static_cast<int>(warehouses_.size()); }
+  int warehouse_of(int64_t row) const;
+  const Warehouse& warehouse(int w) const { return *warehouses_.at(w); }
+  const Controller& controller(int s) const { return *controllers_.at(s); }
+
+  // Allocates n rows (whole groups) and writes the columns into them; on any error nothing changes.
+  std::vector<int64_t> put_new(const std::vector<ColumnInput>& inputs, int64_t n);
+  // Writes columns into allocated rows; all-or-nothing over columns and warehouses.
+  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
+
+  std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s);
+  void release(int stage, const int64_t* rows, size_t n);
+
+  // Items per row (1 for fixed columns).
+  void lengths(int column, const int64_t* rows, size_t n, int64_t* out) const;
+  // Packed copy of the rows in order: dst_bytes must equal the sum of their sizes.
+  void gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes);
+  // Padded copy [n, max_items, inner...], tails zero-filled.
+  void gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst);
+
+  bool allocated(int64_t row) const;
+  int64_t allocated_rows() const;
+  // Clears rows, readiness and claims. Throws InvalidArgument (nothing changed) while a claim, put or
+  // fetch is in flight, including a blocked claim, or when another reset runs.
+  void reset();
+  void close();  // wakes blocked claims with Closed
+
+  OpStats put_stats, claim_stats, fetch_stats;
+
+ private:
+  std::vector<int64_t> allocate(int64_t n);
+  void put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
+  void free_rows(const std::vector<int64_t>& rows);
+  void check_allocated(const int64_t* rows, size_t n) const;
+
+  DockConfig config_;
+  std::vector<std::unique_ptr<Warehouse>> warehouses_;
+  std::vector<std::unique_ptr<Controller>> controllers_;
+  std::vector<std::vector<int>> readers_;  // column -> stages reading it
+  std::vector<int> group_warehouse_;       // group -> warehouse
+
+  mutable std::mutex alloc_mu_;
+  std::vector<uint8_t> group_allocated_;
+  std::vector<int64_t> free_order_;  // groups in allocation order (interleaved over warehouses)
+  size_t next_free_ = 0;             // groups are handed out in free_order_ until reset
+  int64_t allocated_groups_ = 0;
+  std::vector<int64_t> returned_;    // groups given back by a failed put_new, reused first
+
+  std::shared_mutex ops_mu_;  // shared by every operation, exclusive for reset
+};
+
+}  // namespace msrl::dock

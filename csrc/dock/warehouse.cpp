@@ -1,0 +1,358 @@
+#include "dock/warehouse.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "common/error.h"
+#include "common/thread_pool.h"
+
+namespace msrl::dock {
+
+size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::kBool: return 1;
+    case DType::kUInt8: return 1;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat32: return 4;
+  }
+  MSRL_THROW(kInvalidArgument, "unknown dtype code ", static_cast<int>(d));
+}
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kBool: return "bool";
+    case DType::kUInt8: return "uint8";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+  }
+  return "unknown";
+}
+
+size_t ColumnSpec::item_bytes() const {
+  size_t n = dtype_size(dtype);
+  for (int64_t d : inner_shape) n *= static_cast<size_t>(d);
+  return n;
+}
+
+namespace {
+
+constexpr size_t kParallelBytes = 1 << 20;  // below this a copy stays on the calling thread
+
+}  // namespace
+
+void copy_segments(std::vector<Segment> segs) {
+  if (segs.empty()) return;
+  std::vector<Segment> merged;
+  merged.reserve(segs.size());
+  size_t total = 0;
+  for (const Segment& s : segs) {
+    total += s.nbytes;
+    if (!merged.empty()) {
+      Segment& b = merged.back();
+      if (b.dst + b.nbytes == s.dst && b.src + b.nbytes == s.src) {
+        b.nbytes += s.nbytes;
+        continue;
+      }
+    }
+    merged.push_back(s);
+  }
+  if (total < kParallelBytes) {
+    for (const Segment& s : merged) std::memcpy(s.dst, s.src, s.nbytes);
+    return;
+  }
+  if (merged.size() == 1) {
+    parallel_memcpy(merged[0].dst, merged[0].src, merged[0].nbytes);
+    return;
+  }
+  // Many segments: split into roughly equal byte chunks across the pool.
+  size_t parts = std::max<size_t>(1, std::min(ThreadPool::shared().size() * 2, merged.size()));
+  size_t per = (total + parts - 1) / parts;
+  std::vector<size_t> starts{0};
+  size_t acc = 0;
+  for (size_t i = 0; i < merged.size(); ++i) {
+    acc += merged[i].nbytes;
+    if (acc >= per && i + 1 < merged.size()) {
+      starts.push_back(i + 1);
+      acc = 0;
+    }
+  }
+  starts.push_back(merged.size());
+  ThreadPool::shared().parallel_for(starts.size() - 1, [&](size_t k) {
+    for (size_t i = starts[k]; i < starts[k + 1]; ++i) std::memcpy(merged[i].dst, merged[i].src, merged[i].nbytes);
+  });
+}
+
+Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns)
+    : id_(id), row_begin_(row_begin), num_rows_(num_rows), columns_(std::move(columns)) {
+  MSRL_CHECK(num_rows > 0, kInvalidArgument, "warehouse ", id, ": num_rows must be > 0, got ", num_rows);
+  MSRL_CHECK(row_begin >= 0, kInvalidArgument, "warehouse ", id, ": row_begin must be >= 0, got ", row_begin);
+  MSRL_CHECK(!columns_.empty(), kInvalidArgument, "warehouse ", id, ": needs at least one column");
+  arenas_.resize(columns_.size());
+  for (size_t c = 0; c < columns_.size(); ++c) {
+    const ColumnSpec& spec = columns_[c];
+    for (size_t j = 0; j < c; ++j) {
+      MSRL_CHECK(columns_[j].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name, "'");
+    }
+    for (int64_t d : spec.inner_shape) {
+      MSRL_CHECK(d > 0, kInvalidArgument, "column '", spec.name, "': shape dims must be > 0, got ", d);
+    }
+    Arena& a = arenas_[c];
+    if (spec.ragged) {
+      MSRL_CHECK(spec.arena_bytes > 0, kInvalidArgument, "ragged column '", spec.name,
+                 "': arena_bytes must be > 0, got ", spec.arena_bytes);
+      a.capacity = spec.arena_bytes;
+    } else {
+      a.capacity = num_rows * static_cast<int64_t>(spec.item_bytes());
+    }
+    a.state.assign(num_rows, kEmpty);
+    a.offset.assign(num_rows, 0);
+    a.length.assign(num_rows, 0);
+  }
+}
+
+int Warehouse::column_index(const std::string& name) const {
+  for (size_t c = 0; c < columns_.size(); ++c)
+    if (columns_[c].name == name) return static_cast<int>(c);
+  MSRL_THROW(kNotFound, "unknown column '", name, "'");
+}
+
+const Warehouse::Arena& Warehouse::arena(int column) const {
+  MSRL_CHECK(column >= 0 && column < static_cast<int>(columns_.size()), kNotFound, "column index ", column,
+             " out of range [0, ", columns_.size(), ")");
+  return arenas_[column];
+}
+
+Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths) {
+  (void)arena(column);
+  const ColumnSpec& spec = columns_[column];
+  const int64_t item = static_cast<int64_t>(spec.item_bytes());
+  Reservation r;
+  r.column = column;
+  r.rows.assign(rows, rows + n);
+  r.lengths.resize(n);
+  r.nbytes.resize(n);
+  r.dst_offsets.resize(n);
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    MSRL_CHECK(owns(rows[i]), kInvalidArgument, "column '", spec.name, "': row ", rows[i], " is not in warehouse ",
+               id_, " rows [", row_begin_, ", ", row_begin_ + num_rows_, ")");
+    int64_t len = 1;
+    if (spec.ragged) {
+      MSRL_CHECK(lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths are required");
+      len = lengths[i];
+      MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': row ", rows[i], " has negative length ", len);
+    }
+    r.lengths[i] = len;
+    r.nbytes[i] = len * item;
+    total += r.nbytes[i];
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  Arena& a = arenas_[column];
+  for (size_t i = 0; i < n; ++i) {
+    int64_t local = rows[i] - row_begin_;
+    MSRL_CHECK(a.state[local] == kEmpty, kInvalidArgument, "column '", spec.name, "': row ", rows[i],
+               a.state[local] == kWriting ? " is being written by another put" : " is already written",
+               " (a row is written once per iteration; reset() clears it)");
+  }
+  // Duplicates: mark rows one by one; a row seen twice is undone before throwing.
+  for (size_t i = 0; i < n; ++i) {
+    int64_t local = rows[i] - row_begin_;
+    if (a.state[local] != kEmpty) {
+      for (size_t j = 0; j < i; ++j) a.state[rows[j] - row_begin_] = kEmpty;
+      MSRL_THROW(kInvalidArgument, "column '", spec.name, "': row ", rows[i], " appears twice in one put");
+    }
+    a.state[local] = kWriting;
+  }
+  if (spec.ragged && a.top + total > a.capacity) {
+    for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
+    MSRL_THROW(kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ", total,
+               " bytes does not fit (", a.capacity - a.top, " of ", a.capacity,
+               " arena bytes free); raise the column's max_bytes or reset()");
+  }
+  if (!a.data && a.capacity > 0) {
+    a.data.reset(new (std::nothrow) uint8_t[a.capacity]);
+    if (a.data == nullptr) {
+      for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
+      MSRL_THROW(kOutOfMemory, "column '", spec.name, "': cannot allocate ", a.capacity, " arena bytes");
+    }
+  }
+  r.arena_begin = a.top;
+  for (size_t i = 0; i < n; ++i) {
+    int64_t local = rows[i] - row_begin_;
+    if (spec.ragged) {
+      r.dst_offsets[i] = a.top;
+      a.top += r.nbytes[i];
+    } else {
+      r.dst_offsets[i] = local * item;
+    }
+  }
+  r.arena_end = a.top;
+  a.bytes_used += total;
+  return r;
+}
+
+void Warehouse::write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets) {
+  uint8_t* base = arenas_[r.column].data.get();  // set by reserve, stable until destruction
+  std::vector<Segment> segs;
+  segs.reserve(r.rows.size());
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    if (r.nbytes[i] > 0) segs.push_back({base + r.dst_offsets[i], src + src_offsets[i], static_cast<size_t>(r.nbytes[i])});
+  }
+  copy_segments(std::move(segs));
+}
+
+void Warehouse::commit(const Reservation& r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Arena& a = arenas_[r.column];
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    int64_t local = r.rows[i] - row_begin_;
+    a.offset[local] = r.dst_offsets[i];
+    a.length[local] = r.lengths[i];
+    a.state[local] = kWritten;
+  }
+  a.rows_written += static_cast<int64_t>(r.rows.size());
+}
+
+void Warehouse::abort(const Reservation& r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Arena& a = arenas_[r.column];
+  for (int64_t row : r.rows) a.state[row - row_begin_] = kEmpty;
+  // Give the span back when it is still the last one; otherwise it stays unused until reset().
+  if (columns_[r.column].ragged && a.top == r.arena_end) {
+    a.top = r.arena_begin;
+    a.bytes_used -= r.arena_end - r.arena_begin;
+  } else if (!columns_[r.column].ragged) {
+    a.bytes_used -= static_cast<int64_t>(r.rows.size()) * static_cast<int64_t>(columns_[r.column].item_bytes());
+  }
+}
+
+void Warehouse::put(int column, const int64_t* rows, size_t n, const void* src, const int64_t* lengths) {
+  Reservation r = reserve(column, rows, n, lengths);
+  std::vector<int64_t> offs(n);
+  int64_t acc = 0;
+  for (size_t i = 0; i < n; ++i) {
+    offs[i] = acc;
+    acc += r.nbytes[i];
+  }
+  write(r, static_cast<const uint8_t*>(src), offs.data());
+  commit(r);
+}
+
+void Warehouse::check_rows_readable(const Arena& a, int column, const int64_t* rows, size_t n) const {
+  for (size_t i = 0; i < n; ++i) {
+    MSRL_CHECK(owns(rows[i]), kInvalidArgument, "column '", columns_[column].name, "': row ", rows[i],
+               " is not in warehouse ", id_, " rows [", row_begin_, ", ", row_begin_ + num_rows_, ")");
+    MSRL_CHECK(a.state[rows[i] - row_begin_] == kWritten, kInvalidArgument, "column '", columns_[column].name,
+               "' is not ready for row ", rows[i], " (never put since the last reset)");
+  }
+}
+
+void Warehouse::lengths(int column, const int64_t* rows, size_t n, int64_t* out) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_rows_readable(a, column, rows, n);
+  for (size_t i = 0; i < n; ++i) out[i] = a.length[rows[i] - row_begin_];
+}
+
+bool Warehouse::ready(int column, const int64_t* rows, size_t n) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    if (!owns(rows[i]) || a.state[rows[i] - row_begin_] != kWritten) return false;
+  }
+  return true;
+}
+
+void Warehouse::views(int column, const int64_t* rows, size_t n, const uint8_t** ptrs, int64_t* lengths) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_rows_readable(a, column, rows, n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t local = rows[i] - row_begin_;
+    ptrs[i] = a.data.get() + a.offset[local];
+    lengths[i] = a.length[local];
+  }
+}
+
+void Warehouse::gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes) const {
+  const Arena& a = arena(column);
+  const size_t item = columns_[column].item_bytes();
+  std::vector<Segment> segs;
+  segs.reserve(n);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_rows_readable(a, column, rows, n);
+    size_t total = 0;
+    for (size_t i = 0; i < n; ++i) total += static_cast<size_t>(a.length[rows[i] - row_begin_]) * item;
+    MSRL_CHECK(total == dst_bytes, kInvalidArgument, "column '", columns_[column].name, "': gather of ", n,
+               " rows needs ", total, " bytes, destination has ", dst_bytes);
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t local = rows[i] - row_begin_;
+      size_t nb = static_cast<size_t>(a.length[local]) * item;
+      if (nb > 0) segs.push_back({out, a.data.get() + a.offset[local], nb});
+      out += nb;
+    }
+  }
+  copy_segments(std::move(segs));  // written bytes are immutable until reset()
+}
+
+void Warehouse::gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst) const {
+  const Arena& a = arena(column);
+  const size_t item = columns_[column].item_bytes();
+  const size_t row_stride = static_cast<size_t>(max_items) * item;
+  std::vector<Segment> segs;
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_rows_readable(a, column, rows, n);
+    for (size_t i = 0; i < n; ++i) {
+      int64_t local = rows[i] - row_begin_;
+      MSRL_CHECK(a.length[local] <= max_items, kInvalidArgument, "column '", columns_[column].name, "': row ",
+                 rows[i], " has ", a.length[local], " items, more than the padded width ", max_items);
+      size_t nb = static_cast<size_t>(a.length[local]) * item;
+      if (nb > 0) segs.push_back({out + i * row_stride, a.data.get() + a.offset[local], nb});
+      if (nb < row_stride) std::memset(out + i * row_stride + nb, 0, row_stride - nb);  // padding
+    }
+  }
+  copy_segments(std::move(segs));
+}
+
+ColumnStats Warehouse::column_stats(int column) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  return ColumnStats{a.rows_written, a.bytes_used, a.capacity};
+}
+
+int64_t Warehouse::bytes_held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t total = 0;
+  for (const Arena& a : arenas_) total += a.bytes_used;
+  return total;
+}
+
+void Warehouse::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t c = 0; c < arenas_.size(); ++c) {
+    Arena& a = arenas_[c];
+    for (uint8_t s : a.state) {
+      MSRL_CHECK(s != kWriting, kInvalidArgument, "warehouse ", id_, ": reset() while a put to column '",
+                 columns_[c].name, "' is in flight");
+    }
+  }
+  for (Arena& a : arenas_) {
+    std::fill(a.state.begin(), a.state.end(), kEmpty);
+    a.top = 0;
+    a.rows_written = 0;
+    a.bytes_used = 0;
+  }
+}
+
+}  // namespace msrl::dock
