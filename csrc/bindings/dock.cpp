@@ -1,0 +1,321 @@
+// Transfer dock: DockCore (local backend), Warehouse and Controller (used by the Ray actors).
+// Arguments are validated with the GIL held; puts, fetches and blocking claims run without it.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "bindings/bindings.h"
+#include "common/error.h"
+#include "dock/dock.h"
+
+namespace msrl::bindings {
+
+namespace {
+
+using dock::ColumnInput;
+using dock::ColumnSpec;
+using dock::DType;
+
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+DType parse_dtype(const std::string& s) {
+  if (s == "bool") return DType::kBool;
+  if (s == "uint8") return DType::kUInt8;
+  if (s == "int32") return DType::kInt32;
+  if (s == "int64") return DType::kInt64;
+  if (s == "float16") return DType::kFloat16;
+  if (s == "bfloat16") return DType::kBFloat16;
+  if (s == "float32") return DType::kFloat32;
+  MSRL_THROW(kInvalidArgument, "unsupported dtype '", s,
+             "'; allowed: bool, uint8, int32, int64, float16, bfloat16, float32");
+}
+
+// (name, dtype, ragged, inner_shape, arena_bytes)
+using ColumnTuple = std::tuple<std::string, std::string, bool, std::vector<int64_t>, int64_t>;
+
+std::vector<ColumnSpec> parse_columns(const std::vector<ColumnTuple>& cols) {
+  std::vector<ColumnSpec> out;
+  for (const auto& [name, dtype, ragged, shape, arena] : cols) {
+    out.push_back(ColumnSpec{name, parse_dtype(dtype), ragged, shape, arena});
+  }
+  return out;
+}
+
+// A read-only C-contiguous buffer: pointer and size, with the GIL held.
+struct Bytes {
+  const void* ptr = nullptr;
+  size_t nbytes = 0;
+};
+
+Bytes bytes_of(const py::buffer& b, const char* what) {
+  py::buffer_info info = b.request();
+  // C-contiguity: strides must be the packed ones.
+  ssize_t expect = info.itemsize;
+  for (ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] != 1 && info.strides[d] != expect) {
+      MSRL_THROW(kInvalidArgument, what, ": values must be C-contiguous (use numpy.ascontiguousarray)");
+    }
+    expect *= info.shape[d];
+  }
+  return Bytes{info.ptr, static_cast<size_t>(info.size * info.itemsize)};
+}
+
+void* writable_ptr(py::buffer& b, size_t* nbytes) {
+  py::buffer_info info = b.request(true);
+  ssize_t expect = info.itemsize;
+  for (ssize_t d = info.ndim - 1; d >= 0; --d) {
+    MSRL_CHECK(info.shape[d] == 1 || info.strides[d] == expect, kInvalidArgument,
+               "output buffer must be C-contiguous");
+    expect *= info.shape[d];
+  }
+  *nbytes = static_cast<size_t>(info.size * info.itemsize);
+  return info.ptr;
+}
+
+py::array_t<int64_t> to_array(std::vector<int64_t>&& v) {
+  py::array_t<int64_t> a(static_cast<ssize_t>(v.size()));
+  if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int64_t));
+  return a;
+}
+
+// Inputs of a put: list of (column id, values buffer, lengths array or None). Keeps the Python
+// objects alive in `keep` while the GIL is released.
+std::vector<ColumnInput> parse_inputs(const py::list& cols, std::vector<py::object>& keep) {
+  std::vector<ColumnInput> inputs;
+  for (const py::handle& h : cols) {
+    py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+    MSRL_CHECK(t.size() == 3, kInvalidArgument, "put expects (column_id, values, lengths) tuples");
+    ColumnInput in;
+    in.column = t[0].cast<int>();
+    py::buffer values = t[1].cast<py::buffer>();
+    Bytes b = bytes_of(values, "put");
+    in.data = b.ptr;
+    in.nbytes = b.nbytes;
+    keep.push_back(values);
+    if (!t[2].is_none()) {
+      I64Array lens = t[2].cast<I64Array>();
+      in.lengths = lens.data();
+      keep.push_back(lens);
+    }
+    inputs.push_back(in);
+  }
+  return inputs;
+}
+
+py::dict op_stats(const dock::OpStats& s) {
+  py::dict d;
+  d["count"] = s.count.load();
+  d["rows"] = s.rows.load();
+  d["bytes"] = s.bytes.load();
+  d["total_s"] = s.total_ns.load() * 1e-9;
+  d["max_s"] = s.max_ns.load() * 1e-9;
+  return d;
+}
+
+py::dict progress_dict(const dock::StageProgress& p) {
+  py::dict d;
+  d["ready_rows"] = p.ready_rows;
+  d["consumed_rows"] = p.consumed_rows;
+  d["waiting_claims"] = p.waiting_claims;
+  return d;
+}
+
+}  // namespace
+
+void bind_dock(py::module_& m) {
+  py::class_<dock::DockCore>(m, "DockCore", "The embedded transfer dock: warehouses, controllers, row allocator.")
+      .def(py::init([](const std::vector<ColumnTuple>& columns,
+                       const std::vector<std::pair<std::string, std::vector<std::string>>>& stages, int64_t capacity,
+                       int64_t group_size, int warehouses) {
+             dock::DockConfig cfg;
+             cfg.columns = parse_columns(columns);
+             for (const auto& [name, inputs] : stages) cfg.stages.push_back(dock::StageSpec{name, inputs});
+             cfg.capacity = capacity;
+             cfg.group_size = group_size;
+             cfg.warehouses = warehouses;
+             return std::make_unique<dock::DockCore>(std::move(cfg));
+           }),
+           py::arg("columns"), py::arg("stages"), py::arg("capacity"), py::arg("group_size"), py::arg("warehouses"))
+      .def("column_index", &dock::DockCore::column_index)
+      .def("stage_index", &dock::DockCore::stage_index)
+      .def_property_readonly("num_warehouses", &dock::DockCore::num_warehouses)
+      .def(
+          "put_new",
+          [](dock::DockCore& d, const py::list& cols, int64_t n) {
+            std::vector<py::object> keep;
+            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            std::vector<int64_t> rows;
+            {
+              py::gil_scoped_release release;
+              rows = d.put_new(inputs, n);
+            }
+            return to_array(std::move(rows));
+          },
+          py::arg("columns"), py::arg("n"))
+      .def(
+          "put",
+          [](dock::DockCore& d, const py::list& cols, const I64Array& rows) {
+            std::vector<py::object> keep;
+            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            py::gil_scoped_release release;
+            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()));
+          },
+          py::arg("columns"), py::arg("rows"))
+      .def(
+          "claim",
+          [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout) {
+            std::vector<int64_t> rows;
+            {
+              py::gil_scoped_release release;
+              rows = d.claim(stage, max_rows, min_rows, timeout);
+            }
+            return to_array(std::move(rows));
+          },
+          py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
+      .def("release",
+           [](dock::DockCore& d, int stage, const I64Array& rows) {
+             d.release(stage, rows.data(), static_cast<size_t>(rows.size()));
+           })
+      .def("lengths",
+           [](const dock::DockCore& d, int column, const I64Array& rows) {
+             py::array_t<int64_t> out(rows.size());
+             d.lengths(column, rows.data(), static_cast<size_t>(rows.size()), out.mutable_data());
+             return out;
+           })
+      .def("gather",
+           [](dock::DockCore& d, int column, const I64Array& rows, py::buffer out) {
+             size_t nbytes = 0;
+             void* dst = writable_ptr(out, &nbytes);
+             py::gil_scoped_release release;
+             d.gather(column, rows.data(), static_cast<size_t>(rows.size()), dst, nbytes);
+           })
+      .def("gather_padded",
+           [](dock::DockCore& d, int column, const I64Array& rows, int64_t max_items, py::buffer out) {
+             size_t nbytes = 0;
+             void* dst = writable_ptr(out, &nbytes);
+             const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
+                                 d.config().columns.at(column).item_bytes();
+             MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
+             py::gil_scoped_release release;
+             d.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst);
+           })
+      .def("warehouse_of",
+           [](const dock::DockCore& d, const I64Array& rows) {
+             py::array_t<int32_t> out(rows.size());
+             for (ssize_t i = 0; i < rows.size(); ++i) out.mutable_data()[i] = d.warehouse_of(rows.data()[i]);
+             return out;
+           })
+      .def("allocated_rows", &dock::DockCore::allocated_rows)
+      .def("progress", [](const dock::DockCore& d, int stage) { return progress_dict(d.controller(stage).progress()); })
+      .def("consumed",
+           [](const dock::DockCore& d, int stage, int64_t row) { return d.controller(stage).consumed(row); })
+      .def("warehouse_bytes",
+           [](const dock::DockCore& d) {
+             std::vector<int64_t> out;
+             for (int w = 0; w < d.num_warehouses(); ++w) out.push_back(d.warehouse(w).bytes_held());
+             return out;
+           })
+      .def("op_stats",
+           [](const dock::DockCore& d) {
+             py::dict out;
+             out["put"] = op_stats(d.put_stats);
+             out["claim"] = op_stats(d.claim_stats);
+             out["fetch"] = op_stats(d.fetch_stats);
+             return out;
+           })
+      .def("reset", &dock::DockCore::reset, py::call_guard<py::gil_scoped_release>())
+      .def("close", &dock::DockCore::close, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<dock::Warehouse>(m, "Warehouse", "One warehouse: columnar arenas for a contiguous range of rows.")
+      .def(py::init([](int id, int64_t row_begin, int64_t num_rows, const std::vector<ColumnTuple>& columns) {
+             return std::make_unique<dock::Warehouse>(id, row_begin, num_rows, parse_columns(columns));
+           }),
+           py::arg("id"), py::arg("row_begin"), py::arg("num_rows"), py::arg("columns"))
+      .def_property_readonly("id", &dock::Warehouse::id)
+      .def_property_readonly("row_begin", &dock::Warehouse::row_begin)
+      .def_property_readonly("num_rows", &dock::Warehouse::num_rows)
+      .def(
+          "put",
+          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+            // All columns reserved first, so a failing column leaves every column unchanged.
+            std::vector<py::object> keep;
+            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            py::gil_scoped_release release;
+            std::vector<dock::Reservation> res;
+            const size_t n = static_cast<size_t>(rows.size());
+            try {
+              for (const ColumnInput& in : inputs) res.push_back(w.reserve(in.column, rows.data(), n, in.lengths));
+            } catch (...) {
+              for (auto& r : res) w.abort(r);
+              throw;
+            }
+            for (size_t k = 0; k < inputs.size(); ++k) {
+              std::vector<int64_t> offs(n);
+              int64_t acc = 0;
+              for (size_t i = 0; i < n; ++i) {
+                offs[i] = acc;
+                acc += res[k].nbytes[i];
+              }
+              if (static_cast<size_t>(acc) != inputs[k].nbytes) {
+                for (auto& r : res) w.abort(r);
+                MSRL_THROW(kInvalidArgument, "column '", w.columns()[inputs[k].column].name, "': ", n, " rows need ",
+                           acc, " bytes of values, got ", inputs[k].nbytes);
+              }
+            }
+            for (size_t k = 0; k < inputs.size(); ++k) {
+              std::vector<int64_t> offs(n);
+              int64_t acc = 0;
+              for (size_t i = 0; i < n; ++i) {
+                offs[i] = acc;
+                acc += res[k].nbytes[i];
+              }
+              w.write(res[k], static_cast<const uint8_t*>(inputs[k].data), offs.data());
+            }
+            for (auto& r : res) w.commit(r);
+          },
+          py::arg("columns"), py::arg("rows"))
+      .def("lengths",
+           [](const dock::Warehouse& w, int column, const I64Array& rows) {
+             py::array_t<int64_t> out(rows.size());
+             w.lengths(column, rows.data(), static_cast<size_t>(rows.size()), out.mutable_data());
+             return out;
+           })
+      .def("gather",
+           [](const dock::Warehouse& w, int column, const I64Array& rows, py::buffer out) {
+             size_t nbytes = 0;
+             void* dst = writable_ptr(out, &nbytes);
+             py::gil_scoped_release release;
+             w.gather(column, rows.data(), static_cast<size_t>(rows.size()), dst, nbytes);
+           })
+      .def("bytes_held", &dock::Warehouse::bytes_held)
+      .def("reset", &dock::Warehouse::reset, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<dock::Controller>(m, "Controller", "Metadata plane of one stage: readiness and consumed bits.")
+      .def(py::init<std::string, int64_t, int64_t, std::vector<int>>(), py::arg("stage"), py::arg("capacity"),
+           py::arg("group_size"), py::arg("input_columns"))
+      .def_property_readonly("stage", &dock::Controller::stage)
+      .def("reads", &dock::Controller::reads)
+      .def("mark_ready",
+           [](dock::Controller& c, int column, const I64Array& rows) {
+             c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()));
+           })
+      .def(
+          "claim",
+          [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout) {
+            std::vector<int64_t> rows;
+            {
+              py::gil_scoped_release release;
+              rows = c.claim(max_rows, min_rows, timeout);
+            }
+            return to_array(std::move(rows));
+          },
+          py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
+      .def("release",
+           [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
+      .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
+      .def("reset", &dock::Controller::reset)
+      .def("close", &dock::Controller::close);
+}
+
+}  // namespace msrl::bindings
