@@ -12,7 +12,7 @@ PyObject* g_base = nullptr;
 PyObject* g_by_code[8] = {};
 
 PyObject* make_class(py::module_& m, const char* name, PyObject* builtin, const char* doc) {
-  py::tuple bases = builtin ? py::make_tuple(py::handle(g_base), py::handle(builtin)) : py::make_tuple(py::handle(PyExc_RuntimeError));
+  py::tuple bases = py::make_tuple(py::handle(g_base), py::handle(builtin));
   std::string qual = std::string("msrl_core.errors.") + name;
   PyObject* cls = PyErr_NewExceptionWithDoc(qual.c_str(), doc, bases.ptr(), nullptr);
   if (cls == nullptr) throw py::error_already_set();

@@ -39,7 +39,8 @@ class Ticket {
   uint64_t bytes_;
   Event event_;  // recorded after the copy on the engine stream
   mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable std::condition_variable cv_;
+  bool issued_ = false;  // event_ recorded on the engine stream
   bool done_ = false;
   std::exception_ptr error_;
   std::chrono::steady_clock::time_point submitted_, finished_;
@@ -75,8 +76,9 @@ class CopyEngine {
   // Waits for the ticket; rethrows its error. Throws InvalidArgument for another engine's ticket,
   // Timeout past the deadline (the copy goes on).
   void wait(const Ticket& ticket, double timeout_seconds) const;
-  // Makes work enqueued on `stream` after this call wait for the ticket's copy.
-  void order_stream(const Ticket& ticket, Stream stream) const;
+  // Makes work enqueued on `stream` after this call wait for the ticket's copy. Waits (up to the
+  // deadline) until the copy has been issued on the engine stream.
+  void order_stream(const Ticket& ticket, Stream stream, double timeout_seconds) const;
   // Waits for everything submitted so far.
   void synchronize(double timeout_seconds);
 
@@ -90,12 +92,14 @@ class CopyEngine {
   std::shared_ptr<Ticket> submit(CopyKind kind, uint64_t bytes, Stream after, std::function<void(Lane&)> issue);
   void copy_bounced_h2d(Lane& lane, char* dst, const char* src, size_t nbytes);
   void copy_bounced_d2h(Lane& lane, char* dst, const char* src, size_t nbytes);
+  void finish(Ticket& ticket, std::exception_ptr error);
 
   std::shared_ptr<DeviceRuntime> rt_;
   EngineOptions options_;
   uint64_t id_;
   std::unique_ptr<Lane> lanes_[3];  // h2d (and h2h), d2h, d2d
   mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
   EngineStats stats_;
   uint64_t next_ticket_ = 1;
 };

@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "common/error.h"
@@ -144,10 +145,19 @@ class HostRuntime final : public DeviceRuntime {
   void* device_alloc(size_t nbytes) override { return aligned_host_alloc(nbytes); }
   void device_free(void* ptr) override { std::free(ptr); }
 
-  Stream stream_create() override { return new HostStream(); }
-  void stream_destroy(Stream stream) override { delete static_cast<HostStream*>(stream); }
+  Stream stream_create() override {
+    auto* stream = new HostStream();
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.insert(stream);
+    return stream;
+  }
+  void stream_destroy(Stream stream) override {
+    delete check_stream(stream);
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.erase(stream);
+  }
   void stream_synchronize(Stream stream) override {
-    if (stream != nullptr) static_cast<HostStream*>(stream)->synchronize();
+    if (stream != nullptr) check_stream(stream)->synchronize();
   }
   void stream_wait_event(Stream stream, Event event) override {
     auto* ev = check_event(event);
@@ -159,7 +169,7 @@ class HostRuntime final : public DeviceRuntime {
     if (stream == nullptr) {
       ev->wait_for(target);
     } else {
-      static_cast<HostStream*>(stream)->enqueue([ev, target] { ev->wait_for(target); });
+      check_stream(stream)->enqueue([ev, target] { ev->wait_for(target); });
     }
   }
 
@@ -187,6 +197,7 @@ class HostRuntime final : public DeviceRuntime {
   }
   void event_destroy(Event event) override { delete check_event(event); }
   void event_record(Event event, Stream stream) override {
+    if (stream != nullptr) check_stream(stream);
     auto* ev = check_event(event);
     uint64_t gen;
     {
@@ -274,16 +285,25 @@ class HostRuntime final : public DeviceRuntime {
     MSRL_CHECK(event != nullptr, kInvalidArgument, "event handle is null");
     return static_cast<HostEvent*>(event);
   }
-  static void submit(Stream stream, std::function<void()> task) {
+  // Host streams are our own objects, so a handle from elsewhere (a torch stream, a freed stream) is
+  // caught here instead of being dereferenced.
+  HostStream* check_stream(Stream stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    MSRL_CHECK(streams_.count(stream) != 0, kInvalidArgument, "stream handle ", stream,
+               " is not a live stream of the host backend");
+    return static_cast<HostStream*>(stream);
+  }
+  void submit(Stream stream, std::function<void()> task) {
     if (stream == nullptr) {
       task();  // the default stream is synchronous
     } else {
-      static_cast<HostStream*>(stream)->enqueue(std::move(task));
+      check_stream(stream)->enqueue(std::move(task));
     }
   }
 
   std::mutex mu_;
   std::map<uintptr_t, size_t> registered_;
+  std::set<Stream> streams_;
 };
 
 }  // namespace

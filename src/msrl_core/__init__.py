@@ -1,0 +1,28 @@
+"""msrl_core: the data-movement engine of RL training for LLMs.
+
+Public names are re-exported here; the native module ``msrl_core._core`` is private.
+"""
+
+from msrl_core import errors
+from msrl_core._core import DeviceBuffer, Stream
+from msrl_core.copy import CopyEngine, CopyPlan, Ticket, descriptors
+from msrl_core.memory import PinnedBuffer, PinnedPool, Registration
+from msrl_core.runtime import get_runtime, runtime_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CopyEngine",
+    "CopyPlan",
+    "DeviceBuffer",
+    "PinnedBuffer",
+    "PinnedPool",
+    "Registration",
+    "Stream",
+    "Ticket",
+    "__version__",
+    "descriptors",
+    "errors",
+    "get_runtime",
+    "runtime_info",
+]
