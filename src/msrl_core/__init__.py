@@ -6,12 +6,19 @@ Public names are re-exported here; the native module ``msrl_core._core`` is priv
 from msrl_core import errors
 from msrl_core._core import DeviceBuffer, Stream
 from msrl_core.copy import CopyEngine, CopyPlan, Ticket, descriptors
+from msrl_core.dock import Batch, Claim, Column, Dock, Padded, Ragged
 from msrl_core.memory import PinnedBuffer, PinnedPool, Registration
 from msrl_core.runtime import get_runtime, runtime_info
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batch",
+    "Claim",
+    "Column",
+    "Dock",
+    "Padded",
+    "Ragged",
     "CopyEngine",
     "CopyPlan",
     "DeviceBuffer",

@@ -1,0 +1,267 @@
+"""msrl_core.Dock: the transfer dock's public API over the local or Ray backend."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from msrl_core.dock._types import Batch, Claim, Column, Padded, Ragged, rows_array, to_output, to_put_input
+from msrl_core.errors import InvalidArgument, NotFound
+
+_LAYOUTS = ("packed", "padded")
+_OUTPUTS = ("numpy", "torch")
+
+
+class _Latencies:
+    """Recent latencies of one operation (bounded), for stats() percentiles."""
+
+    def __init__(self, keep: int = 4096):
+        self.samples: deque[float] = deque(maxlen=keep)
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {"p50_us": math.nan, "p99_us": math.nan}
+        arr = np.fromiter(self.samples, dtype=np.float64)
+        return {"p50_us": float(np.percentile(arr, 50)) * 1e6, "p99_us": float(np.percentile(arr, 99)) * 1e6}
+
+
+class Dock:
+    """Distributed transfer dock: warehouses hold the bytes, one controller per stage holds readiness.
+
+    >>> dock = Dock(columns={"prompts": Column("int64", ragged=True), "rewards": Column("float32")},
+    ...             stages={"reward": ["prompts"], "update": ["prompts", "rewards"]},
+    ...             capacity=8, group_size=2)
+    >>> rows = dock.put({"prompts": [np.arange(3), np.arange(5)]})
+    >>> meta = dock.claim("reward", max_rows=2, timeout=1.0)
+    >>> batch = dock.fetch(meta, ["prompts"])
+    >>> dock.put({"rewards": np.ones(2, np.float32)}, rows=meta)
+
+    ``capacity`` rows per iteration (``prompts x group_size``), split into ``warehouses`` contiguous
+    ranges of whole groups. A stage's rows become claimable when every column it reads is written.
+    ``backend="local"`` keeps everything in this process; ``backend="ray"`` runs warehouses and
+    controllers as Ray actors (``ray_address``/``ray_init`` control the Ray connection).
+    ``output`` is the default tensor type of fetched data: ``"numpy"`` or ``"torch"``.
+    """
+
+    def __init__(
+        self,
+        columns: Mapping[str, Column],
+        stages: Mapping[str, Sequence[str]],
+        capacity: int,
+        group_size: int = 1,
+        warehouses: int | None = None,
+        backend: str = "local",
+        output: str = "numpy",
+        **backend_options: Any,
+    ):
+        if not columns:
+            raise InvalidArgument("a dock needs at least one column")
+        if not stages:
+            raise InvalidArgument("a dock needs at least one stage")
+        for name, col in columns.items():
+            if not isinstance(col, Column):
+                raise InvalidArgument(f"column '{name}' must be a msrl_core.Column, got {type(col).__name__}")
+        for stage, cols in stages.items():
+            if isinstance(cols, str) or not cols:
+                raise InvalidArgument(f"stage '{stage}' must list the columns it reads, got {cols!r}")
+            for c in cols:
+                if c not in columns:
+                    raise NotFound(f"stage '{stage}' reads unknown column '{c}'; columns are: {', '.join(columns)}")
+        if output not in _OUTPUTS:
+            raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        capacity, group_size = int(capacity), int(group_size)
+        if group_size <= 0 or capacity <= 0 or capacity % group_size:
+            raise InvalidArgument(
+                f"capacity must be a positive multiple of group_size; got capacity={capacity}, group_size={group_size}"
+            )
+        self.columns: dict[str, Column] = dict(columns)
+        self.stages: dict[str, list[str]] = {s: list(c) for s, c in stages.items()}
+        self.capacity = capacity
+        self.group_size = group_size
+        self.output = output
+        self._column_ids = {name: i for i, name in enumerate(self.columns)}
+        self._stage_ids = {name: i for i, name in enumerate(self.stages)}
+        if backend == "local":
+            from msrl_core.dock._local import LocalBackend
+
+            if backend_options:
+                raise InvalidArgument(f"unknown options for the local backend: {sorted(backend_options)}")
+            self._backend: Any = LocalBackend(
+                self.columns, self.stages, capacity, group_size, int(warehouses or 1)
+            )
+        elif backend == "ray":
+            from msrl_core.dock._ray import RayBackend
+
+            self._backend = RayBackend(self.columns, self.stages, capacity, group_size, warehouses, **backend_options)
+        else:
+            raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
+        self.backend = backend
+        self._lat = {op: _Latencies() for op in ("put", "claim", "fetch")}
+        self._lat_lock = threading.Lock()
+
+    # ---- names -----------------------------------------------------------------------------
+
+    def _cid(self, name: str) -> int:
+        try:
+            return self._column_ids[name]
+        except KeyError:
+            raise NotFound(f"unknown column '{name}'; columns are: {', '.join(self.columns)}") from None
+
+    def _sid(self, stage: str) -> int:
+        try:
+            return self._stage_ids[stage]
+        except KeyError:
+            raise NotFound(f"unknown stage '{stage}'; stages are: {', '.join(self.stages)}") from None
+
+    def _record(self, op: str, t0: float) -> None:
+        self._lat[op].samples.append(time.perf_counter() - t0)
+
+    # ---- data plane ------------------------------------------------------------------------
+
+    def put(self, data: Mapping[str, Any], rows: Any = None) -> np.ndarray:
+        """Writes columns. Without ``rows`` it allocates new rows (whole groups) and returns their ids;
+        with ``rows`` (ids, a Claim or a Batch) it writes into those allocated rows. All columns land or
+        none: on any error the dock is unchanged. Readiness is published after the bytes are stored."""
+        t0 = time.perf_counter()
+        if not isinstance(data, Mapping) or not data:
+            raise InvalidArgument("put takes a non-empty mapping of column name -> values")
+        inputs = []
+        n = None
+        for name, value in data.items():
+            cid = self._cid(name)
+            vals, lengths, count = to_put_input(name, self.columns[name], value)
+            if n is None:
+                n = count
+            elif count != n:
+                raise InvalidArgument(f"column '{name}' has {count} rows, other columns of this put have {n}")
+            inputs.append((cid, vals, lengths))
+        assert n is not None
+        if rows is None:
+            if n == 0 or n % self.group_size:
+                raise InvalidArgument(
+                    f"a put of new rows must hold whole groups of {self.group_size} rows, got {n} rows"
+                )
+            out = self._backend.put_new(inputs, n)
+        else:
+            out = rows_array(rows, self.capacity)
+            if len(out) != n:
+                raise InvalidArgument(f"put of {n} rows of data into {len(out)} rows")
+            if n == 0:
+                raise InvalidArgument("put needs at least one row")
+            self._backend.put(inputs, out)
+        self._record("put", t0)
+        return out
+
+    def claim(self, stage: str, max_rows: int, timeout: float = 0.0, min_rows: int | None = None) -> Claim:
+        """Claims up to ``max_rows`` ready rows of ``stage`` (whole groups; metadata only).
+
+        Waits up to ``timeout`` seconds until at least ``min_rows`` (default: one group) are ready;
+        ``timeout=0`` never waits and may return an empty claim. Raises ``Timeout`` when fewer than an
+        explicit ``min_rows`` are ready at the deadline. Rows go to each stage exactly once per iteration.
+        """
+        t0 = time.perf_counter()
+        sid = self._sid(stage)
+        if min_rows is None:
+            min_rows = 0 if timeout == 0 else self.group_size
+        if not (timeout >= 0 and math.isfinite(timeout)):
+            raise InvalidArgument(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        rows = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout))
+        self._record("claim", t0)
+        return Claim(stage, rows, self._backend.warehouse_of)
+
+    def release(self, meta: Claim) -> None:
+        """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again."""
+        self._backend.release(self._sid(meta.stage), meta.rows)
+
+    def fetch(
+        self, meta: Any, columns: Sequence[str] | None = None, layout: str = "packed", output: str | None = None
+    ) -> Batch:
+        """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
+        ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or
+        ``Padded(values, lengths)`` with a ``mask`` (``layout='padded'``). ``columns`` defaults to the
+        claiming stage's inputs."""
+        t0 = time.perf_counter()
+        if layout not in _LAYOUTS:
+            raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+        output = output or self.output
+        if output not in _OUTPUTS:
+            raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        if columns is None:
+            if not isinstance(meta, Claim):
+                raise InvalidArgument("fetch of plain row ids needs columns=")
+            columns = self.stages[meta.stage]
+        if isinstance(columns, str):
+            columns = [columns]
+        rows = rows_array(meta, self.capacity)
+        cids = [self._cid(c) for c in columns]
+        data: dict[str, Any] = {}
+        for name, cid in zip(columns, cids):
+            col = self.columns[name]
+            arr, lengths = self._backend.fetch(cid, col, rows, layout)
+            val = to_output(arr, col, output)
+            if lengths is None:
+                data[name] = val
+            elif layout == "padded":
+                data[name] = Padded(val, lengths)
+            else:
+                data[name] = Ragged.from_lengths(val, lengths)
+        self._record("fetch", t0)
+        return Batch(rows, data)
+
+    def take(
+        self,
+        stage: str,
+        max_rows: int,
+        timeout: float = 0.0,
+        min_rows: int | None = None,
+        columns: Sequence[str] | None = None,
+        layout: str = "packed",
+        output: str | None = None,
+    ) -> Batch:
+        """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
+        meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows)
+        return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
+
+    def reset(self) -> None:
+        """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
+        changed) while a claim, put or fetch is in flight."""
+        self._backend.reset()
+
+    def close(self) -> None:
+        """Wakes blocked claims with ``Closed``; later claims raise ``Closed``."""
+        self._backend.close()
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def warehouse_of(self, rows: Any) -> np.ndarray:
+        return self._backend.warehouse_of(rows_array(rows, self.capacity))
+
+    def progress(self) -> dict[str, dict[str, int]]:
+        """Per stage: rows ready and unclaimed, rows consumed this iteration, claims blocked now."""
+        return {s: self._backend.progress(i) for s, i in self._stage_ids.items()}
+
+    def stats(self) -> dict[str, Any]:
+        ops = self._backend.op_stats()
+        for op, lat in self._lat.items():
+            ops.setdefault(op, {}).update(lat.summary())
+        return {
+            "backend": self.backend,
+            "capacity": self.capacity,
+            "group_size": self.group_size,
+            "allocated_rows": self._backend.allocated_rows(),
+            "warehouse_bytes": self._backend.warehouse_bytes(),
+            "stages": self.progress(),
+            "ops": ops,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"Dock(backend={self.backend!r}, capacity={self.capacity}, group_size={self.group_size}, "
+            f"columns={list(self.columns)}, stages={list(self.stages)})"
+        )

@@ -1,0 +1,87 @@
+"""The embedded backend: one native DockCore (warehouses + controllers) in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from msrl_core import _core
+from msrl_core.dock._types import Column
+
+
+def column_tuples(columns: dict[str, Column], rows_per_warehouse: int) -> list[tuple]:
+    return [
+        (name, c.dtype, c.ragged, list(c.shape), c.arena_bytes(rows_per_warehouse)) for name, c in columns.items()
+    ]
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(
+        self, columns: dict[str, Column], stages: dict[str, list[str]], capacity: int, group_size: int, warehouses: int
+    ):
+        groups = capacity // group_size
+        rows_per_wh = -(-groups // warehouses) * group_size
+        self.columns = columns
+        self._core = _core.DockCore(
+            column_tuples(columns, rows_per_wh),
+            [(s, list(cols)) for s, cols in stages.items()],
+            capacity,
+            group_size,
+            warehouses,
+        )
+        self.num_warehouses = warehouses
+
+    def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
+        return self._core.put_new(inputs, n)
+
+    def put(self, inputs: list[tuple], rows: np.ndarray) -> None:
+        self._core.put(inputs, rows)
+
+    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> np.ndarray:
+        return self._core.claim(stage, max_rows, min_rows, timeout)
+
+    def release(self, stage: int, rows: np.ndarray) -> None:
+        self._core.release(stage, rows)
+
+    def fetch(self, cid: int, col: Column, rows: np.ndarray, layout: str) -> tuple[np.ndarray, Any]:
+        """Packed: (values, lengths); padded: (values [n, width, ...], lengths); fixed: (array, None)."""
+        if not col.ragged:
+            out = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
+            self._core.gather(cid, rows, out)
+            return out, None
+        lengths = self._core.lengths(cid, rows)
+        if layout == "padded":
+            width = int(lengths.max()) if len(lengths) else 0
+            out = np.empty((len(rows), width, *col.shape), dtype=col.storage_dtype)
+            self._core.gather_padded(cid, rows, width, out)
+        else:
+            out = np.empty((int(lengths.sum()), *col.shape), dtype=col.storage_dtype)
+            self._core.gather(cid, rows, out)
+        return out, lengths
+
+    def warehouse_of(self, rows: np.ndarray) -> np.ndarray:
+        return self._core.warehouse_of(rows)
+
+    def progress(self, stage: int) -> dict:
+        return self._core.progress(stage)
+
+    def consumed(self, stage: int, row: int) -> bool:
+        return self._core.consumed(stage, row)
+
+    def warehouse_bytes(self) -> list[int]:
+        return self._core.warehouse_bytes()
+
+    def op_stats(self) -> dict:
+        return self._core.op_stats()
+
+    def allocated_rows(self) -> int:
+        return self._core.allocated_rows()
+
+    def reset(self) -> None:
+        self._core.reset()
+
+    def close(self) -> None:
+        self._core.close()

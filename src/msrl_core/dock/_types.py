@@ -1,0 +1,314 @@
+"""Column schema, claim metadata and batch containers of the transfer dock, plus numpy/torch conversion.
+
+Everything that crosses into a backend is numpy: torch tensors become numpy views (bf16 as int16 bits),
+and come back as torch views of the numpy results when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from msrl_core.errors import InvalidArgument
+
+DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32")
+# numpy storage dtype of each column dtype (bfloat16 is stored as its 16 raw bits)
+_STORAGE = {
+    "bool": np.dtype(np.bool_),
+    "uint8": np.dtype(np.uint8),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.int16),
+    "float32": np.dtype(np.float32),
+}
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:  # torch is optional
+        return None
+    return torch
+
+
+def is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """'float32', np.float32, np.dtype('float32') or torch.float32 -> 'float32'."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif type(dtype).__module__.startswith("torch"):
+        name = str(dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in DTYPES:
+        raise InvalidArgument(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Column:
+    """A named field of the dock.
+
+    ``dtype``: one of bool, uint8, int32, int64, float16, bfloat16, float32 (or the numpy/torch dtype).
+    ``shape``: per-row shape of a fixed column, e.g. ``()`` for a scalar per row; for a ragged column
+    the shape after the ragged first dimension (``()`` for token ids).
+    ``ragged``: rows have their own length along the first dimension (stored packed, no padding).
+    ``max_len``: ragged only, the expected mean row length used to size each warehouse's arena
+    (rows x max_len items); ``max_bytes`` overrides the arena size per warehouse.
+    """
+
+    dtype: Any
+    shape: tuple[int, ...] = ()
+    ragged: bool = False
+    max_len: int = 4096
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        shape = tuple(int(d) for d in self.shape)
+        if any(d <= 0 for d in shape):
+            raise InvalidArgument(f"Column shape dims must be > 0, got {self.shape}")
+        object.__setattr__(self, "shape", shape)
+        if self.ragged and self.max_len <= 0:
+            raise InvalidArgument(f"Column max_len must be > 0, got {self.max_len}")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise InvalidArgument(f"Column max_bytes must be > 0, got {self.max_bytes}")
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        return _STORAGE[self.dtype]
+
+    @property
+    def item_bytes(self) -> int:
+        return int(self.storage_dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)))
+
+    def arena_bytes(self, rows: int) -> int:
+        if not self.ragged:
+            return 0
+        if self.max_bytes is not None:
+            return int(self.max_bytes)
+        return int(rows) * int(self.max_len) * self.item_bytes
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Variable-length rows packed back to back: row i is ``values[offsets[i]:offsets[i+1]]``."""
+
+    values: Any  # numpy array or torch tensor [total, *inner]
+    offsets: Any  # int64 [n + 1]
+
+    @classmethod
+    def from_lengths(cls, values: Any, lengths: Any) -> Ragged:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(values, offsets)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(np.asarray(self.offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+    def to_padded(self, pad: Any = 0) -> Padded:
+        """Pads on the caller's side (the dock pads natively with ``layout='padded'``)."""
+        lens = self.lengths
+        width = int(lens.max()) if len(lens) else 0
+        vals = np.asarray(self.values) if not is_torch_tensor(self.values) else self.values.numpy()
+        out = np.full((len(lens), width, *vals.shape[1:]), pad, dtype=vals.dtype)
+        for i in range(len(lens)):
+            out[i, : lens[i]] = vals[self.offsets[i] : self.offsets[i + 1]]
+        return Padded(out, lens)
+
+
+@dataclass(frozen=True)
+class Padded:
+    """Ragged rows padded to the longest: ``values[n, width, *inner]``; ``mask[i, j]`` is True for real items."""
+
+    values: Any
+    lengths: np.ndarray
+
+    @property
+    def mask(self) -> Any:
+        width = self.values.shape[1] if self.values.ndim > 1 else 0
+        m = np.arange(width)[None, :] < np.asarray(self.lengths)[:, None]
+        if is_torch_tensor(self.values):
+            return _torch().from_numpy(m)
+        return m
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Metadata of claimed rows: no tensor bytes. ``rows`` are global row ids (whole groups)."""
+
+    stage: str
+    rows: np.ndarray
+    _warehouse_of: Any = field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def warehouses(self) -> np.ndarray:
+        """Warehouse id of each row."""
+        return self._warehouse_of(self.rows)
+
+
+class Batch(Mapping):
+    """Fetched columns of some rows: ``batch["rewards"]`` (dense), ``batch["responses"]`` (Ragged/Padded)."""
+
+    def __init__(self, rows: np.ndarray, data: dict[str, Any]):
+        self.rows = rows
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Batch(rows={len(self.rows)}, columns={list(self._data)})"
+
+
+RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
+
+
+def rows_array(rows: Any, capacity: int) -> np.ndarray:
+    """Claim / Batch / sequence of ints -> int64 array (values are range-checked by the core)."""
+    if isinstance(rows, (Claim, Batch)):
+        return rows.rows
+    if is_torch_tensor(rows):
+        rows = rows.numpy()
+    arr = np.asarray(rows)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"rows must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"rows must be integers, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= capacity):
+        bad = int(arr[(arr < 0) | (arr >= capacity)][0])
+        raise InvalidArgument(f"row {bad} out of range [0, {capacity})")
+    return arr
+
+
+# ---- input conversion -------------------------------------------------------------------------
+
+
+def _as_numpy(x: Any, name: str, col: Column) -> np.ndarray:
+    """A tensor/array for column ``col`` as a C-contiguous numpy array of its storage dtype.
+
+    Arrays and tensors must already have the column's dtype (no silent casts); Python lists of scalars
+    are converted.
+    """
+    if is_torch_tensor(x):
+        got = str(x.dtype).replace("torch.", "")
+        if got != col.dtype:
+            raise InvalidArgument(f"column '{name}': expected dtype {col.dtype}, got torch.{got}")
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x = x.contiguous()
+        if col.dtype == "bfloat16":
+            x = x.view(_torch().int16)
+        return x.numpy()
+    if isinstance(x, np.ndarray):
+        got = x.dtype.name
+        ok = got == col.dtype or (col.dtype == "bfloat16" and got in ("int16", "uint16"))
+        if not ok:
+            raise InvalidArgument(f"column '{name}': expected dtype {col.dtype}, got numpy {got}")
+        return np.ascontiguousarray(x).view(col.storage_dtype)
+    if col.dtype == "bfloat16":
+        raise InvalidArgument(f"column '{name}': bfloat16 values must be a torch tensor or int16 bit array")
+    try:
+        return np.ascontiguousarray(np.asarray(x, dtype=col.storage_dtype))
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"column '{name}': cannot convert {type(x).__name__} to {col.dtype}: {e}") from None
+
+
+def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Returns (values, lengths or None, number of rows) for one column of a put."""
+    if col.ragged:
+        if isinstance(value, Ragged) or (
+            isinstance(value, tuple) and len(value) == 2 and not isinstance(value[0], (int, float))
+        ):
+            vals, offsets = (value.values, value.offsets) if isinstance(value, Ragged) else value
+            offsets = np.asarray(offsets.numpy() if is_torch_tensor(offsets) else offsets)
+            if offsets.ndim != 1 or len(offsets) < 1 or offsets.dtype.kind not in "iu":
+                raise InvalidArgument(f"column '{name}': offsets must be a 1-D integer array of n + 1 entries")
+            offsets = offsets.astype(np.int64, copy=False)
+            lengths = np.diff(offsets)
+            if offsets[0] != 0 or (lengths < 0).any():
+                raise InvalidArgument(f"column '{name}': offsets must start at 0 and never decrease")
+            arr = _as_numpy(vals, name, col)
+            if arr.ndim < 1 or int(offsets[-1]) != arr.shape[0]:
+                raise InvalidArgument(
+                    f"column '{name}': offsets end at {int(offsets[-1])} but values have "
+                    f"{arr.shape[0] if arr.ndim else 0} items"
+                )
+            _check_inner(name, col, arr.shape[1:])
+            return arr, np.ascontiguousarray(lengths), len(lengths)
+        if isinstance(value, (list, tuple)):
+            parts = [_as_numpy(v, name, col) for v in value]
+            for p in parts:
+                if p.ndim < 1:
+                    raise InvalidArgument(f"column '{name}' is ragged: each row needs a first dimension, got a scalar")
+                _check_inner(name, col, p.shape[1:])
+            lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+            if parts:
+                arr = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            else:
+                arr = np.empty((0, *col.shape), dtype=col.storage_dtype)
+            return np.ascontiguousarray(arr), lengths, len(parts)
+        raise InvalidArgument(
+            f"column '{name}' is ragged: pass a list of per-row arrays, a Ragged or (values, offsets); "
+            f"got {type(value).__name__}"
+        )
+    arr = _as_numpy(value, name, col)
+    if arr.ndim != 1 + len(col.shape) or tuple(arr.shape[1:]) != col.shape:
+        raise InvalidArgument(
+            f"column '{name}': expected shape (n, {', '.join(map(str, col.shape))}"
+            f"{',' if len(col.shape) == 1 else ''}) per put, got {tuple(arr.shape)}"
+        )
+    return arr, None, arr.shape[0]
+
+
+def _check_inner(name: str, col: Column, inner: tuple[int, ...]) -> None:
+    if tuple(inner) != col.shape:
+        raise InvalidArgument(f"column '{name}': rows must have shape (len, *{col.shape}), got inner shape {inner}")
+
+
+# ---- output conversion ------------------------------------------------------------------------
+
+
+def to_output(arr: np.ndarray, col: Column, output: str) -> Any:
+    if output == "numpy":
+        return arr
+    torch = _torch()
+    if torch is None:
+        raise InvalidArgument("output='torch' needs torch installed")
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    t = torch.from_numpy(arr)
+    if col.dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t
