@@ -72,13 +72,16 @@ class Dock:
                 raise InvalidArgument(f"stage '{stage}' must list the columns it reads, got {cols!r}")
             for c in cols:
                 if c not in columns:
-                    raise NotFound(f"stage '{stage}' reads unknown column '{c}'; columns are: {', '.join(columns)}")
+                    raise NotFound(
+                        f"stage '{stage}' reads unknown column '{c}'; columns are: {', '.join(columns)}"
+                    )
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
         capacity, group_size = int(capacity), int(group_size)
         if group_size <= 0 or capacity <= 0 or capacity % group_size:
             raise InvalidArgument(
-                f"capacity must be a positive multiple of group_size; got capacity={capacity}, group_size={group_size}"
+                "capacity must be a positive multiple of group_size; "
+                f"got capacity={capacity}, group_size={group_size}"
             )
         self.columns: dict[str, Column] = dict(columns)
         self.stages: dict[str, list[str]] = {s: list(c) for s, c in stages.items()}
@@ -98,7 +101,9 @@ class Dock:
         elif backend == "ray":
             from msrl_core.dock._ray import RayBackend
 
-            self._backend = RayBackend(self.columns, self.stages, capacity, group_size, warehouses, **backend_options)
+            self._backend = RayBackend(
+                self.columns, self.stages, capacity, group_size, warehouses, **backend_options
+            )
         else:
             raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
         self.backend = backend
@@ -180,7 +185,11 @@ class Dock:
         self._backend.release(self._sid(meta.stage), meta.rows)
 
     def fetch(
-        self, meta: Any, columns: Sequence[str] | None = None, layout: str = "packed", output: str | None = None
+        self,
+        meta: Any,
+        columns: Sequence[str] | None = None,
+        layout: str = "packed",
+        output: str | None = None,
     ) -> Batch:
         """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
         ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or

@@ -12,7 +12,8 @@ from msrl_core.dock._types import Column
 
 def column_tuples(columns: dict[str, Column], rows_per_warehouse: int) -> list[tuple]:
     return [
-        (name, c.dtype, c.ragged, list(c.shape), c.arena_bytes(rows_per_warehouse)) for name, c in columns.items()
+        (name, c.dtype, c.ragged, list(c.shape), c.arena_bytes(rows_per_warehouse))
+        for name, c in columns.items()
     ]
 
 
@@ -20,7 +21,12 @@ class LocalBackend:
     name = "local"
 
     def __init__(
-        self, columns: dict[str, Column], stages: dict[str, list[str]], capacity: int, group_size: int, warehouses: int
+        self,
+        columns: dict[str, Column],
+        stages: dict[str, list[str]],
+        capacity: int,
+        group_size: int,
+        warehouses: int,
     ):
         groups = capacity // group_size
         rows_per_wh = -(-groups // warehouses) * group_size

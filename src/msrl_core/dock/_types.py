@@ -140,7 +140,7 @@ class Ragged:
 
 @dataclass(frozen=True)
 class Padded:
-    """Ragged rows padded to the longest: ``values[n, width, *inner]``; ``mask[i, j]`` is True for real items."""
+    """Ragged rows padded to the longest: ``values[n, width, *inner]``; ``mask[i, j]`` marks real items."""
 
     values: Any
     lengths: np.ndarray
@@ -242,7 +242,9 @@ def _as_numpy(x: Any, name: str, col: Column) -> np.ndarray:
     try:
         return np.ascontiguousarray(np.asarray(x, dtype=col.storage_dtype))
     except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"column '{name}': cannot convert {type(x).__name__} to {col.dtype}: {e}") from None
+        raise InvalidArgument(
+            f"column '{name}': cannot convert {type(x).__name__} to {col.dtype}: {e}"
+        ) from None
 
 
 def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.ndarray | None, int]:
@@ -254,7 +256,9 @@ def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.nda
             vals, offsets = (value.values, value.offsets) if isinstance(value, Ragged) else value
             offsets = np.asarray(offsets.numpy() if is_torch_tensor(offsets) else offsets)
             if offsets.ndim != 1 or len(offsets) < 1 or offsets.dtype.kind not in "iu":
-                raise InvalidArgument(f"column '{name}': offsets must be a 1-D integer array of n + 1 entries")
+                raise InvalidArgument(
+                    f"column '{name}': offsets must be a 1-D integer array of n + 1 entries"
+                )
             offsets = offsets.astype(np.int64, copy=False)
             lengths = np.diff(offsets)
             if offsets[0] != 0 or (lengths < 0).any():
@@ -271,7 +275,9 @@ def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.nda
             parts = [_as_numpy(v, name, col) for v in value]
             for p in parts:
                 if p.ndim < 1:
-                    raise InvalidArgument(f"column '{name}' is ragged: each row needs a first dimension, got a scalar")
+                    raise InvalidArgument(
+                        f"column '{name}' is ragged: each row needs a first dimension, got a scalar"
+                    )
                 _check_inner(name, col, p.shape[1:])
             lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
             if parts:
@@ -294,7 +300,9 @@ def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.nda
 
 def _check_inner(name: str, col: Column, inner: tuple[int, ...]) -> None:
     if tuple(inner) != col.shape:
-        raise InvalidArgument(f"column '{name}': rows must have shape (len, *{col.shape}), got inner shape {inner}")
+        raise InvalidArgument(
+            f"column '{name}': rows must have shape (len, *{col.shape}), got inner shape {inner}"
+        )
 
 
 # ---- output conversion ------------------------------------------------------------------------

@@ -1,0 +1,168 @@
+"""Bad input gets a clear exception of the right class and leaves the dock unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from msrl_core import Column, Dock
+from msrl_core.errors import InvalidArgument, MsrlError, NotFound, OutOfMemory
+
+
+def make_dock() -> Dock:
+    dock = Dock(
+        columns={
+            "prompts": Column("int64", ragged=True, max_bytes=64 * 8),
+            "responses": Column("int64", ragged=True, max_bytes=64 * 8),
+            "rewards": Column("float32"),
+            "emb": Column("float32", shape=(2,)),
+        },
+        stages={"gen": ["prompts"], "score": ["prompts", "responses"], "update": ["responses", "rewards"]},
+        capacity=8,
+        group_size=2,
+        warehouses=2,
+    )
+    rows = dock.put({"prompts": [np.arange(3), np.arange(2)]})
+    dock.put({"responses": [np.arange(1), np.arange(4)]}, rows=rows)
+    dock.claim("gen", max_rows=2)
+    return dock
+
+
+def snapshot(dock: Dock) -> tuple:
+    """Everything observable: allocation, per-stage progress, bytes held, and the written data."""
+    s = dock.stats()
+    rows = np.arange(2)
+    data = dock.fetch(rows, ["prompts", "responses"])
+    return (
+        s["allocated_rows"],
+        repr(s["stages"]),
+        tuple(s["warehouse_bytes"]),
+        data["prompts"].values.tolist(),
+        data["responses"].values.tolist(),
+        [dock._backend.consumed(i, 0) for i in range(3)],
+    )
+
+
+BAD_CALLS = {
+    "unknown column in put": (lambda d: d.put({"nope": [np.arange(1)] * 2}), NotFound),
+    "unknown stage in claim": (lambda d: d.claim("nope", 2), NotFound),
+    "unknown column in fetch": (lambda d: d.fetch(np.arange(2), ["nope"]), NotFound),
+    "wrong dtype": (lambda d: d.put({"prompts": [np.arange(2, dtype=np.int32)] * 2}), InvalidArgument),
+    "wrong dtype fixed": (lambda d: d.put({"rewards": np.ones(2, np.float64)}, rows=[0, 1]), InvalidArgument),
+    "wrong shape fixed": (
+        lambda d: d.put({"emb": np.ones((2, 3), np.float32)}, rows=[0, 1]),
+        InvalidArgument,
+    ),
+    "wrong inner shape ragged": (
+        lambda d: d.put({"prompts": [np.ones((2, 2), np.int64)] * 2}),
+        InvalidArgument,
+    ),
+    "rows out of range": (lambda d: d.put({"rewards": np.ones(2, np.float32)}, rows=[7, 8]), InvalidArgument),
+    "negative row": (lambda d: d.put({"rewards": np.ones(2, np.float32)}, rows=[-1, 0]), InvalidArgument),
+    "rows never allocated": (
+        lambda d: d.put({"rewards": np.ones(2, np.float32)}, rows=[4, 5]),
+        InvalidArgument,
+    ),
+    "row count mismatch": (
+        lambda d: d.put({"rewards": np.ones(3, np.float32)}, rows=[0, 1]),
+        InvalidArgument,
+    ),
+    "columns disagree on n": (
+        lambda d: d.put({"prompts": [np.arange(1)] * 2, "rewards": np.ones(4, np.float32)}),
+        InvalidArgument,
+    ),
+    "partial group": (lambda d: d.put({"prompts": [np.arange(1)] * 3}), InvalidArgument),
+    "rewrite a written row": (lambda d: d.put({"prompts": [np.arange(1)] * 2}, rows=[0, 1]), InvalidArgument),
+    "second column of put rewrites": (
+        lambda d: d.put({"rewards": np.ones(2, np.float32), "responses": [np.arange(1)] * 2}, rows=[0, 1]),
+        InvalidArgument,
+    ),
+    "capacity overflow (rows)": (lambda d: d.put({"prompts": [np.arange(1)] * 8}), OutOfMemory),
+    "capacity overflow (bytes)": (lambda d: d.put({"prompts": [np.arange(40)] * 2}), OutOfMemory),
+    "fetch of a column not ready": (lambda d: d.fetch(np.arange(2), ["rewards"]), InvalidArgument),
+    "fetch of rows never written": (lambda d: d.fetch(np.arange(2, 4), ["prompts"]), InvalidArgument),
+    "bad layout": (lambda d: d.fetch(np.arange(2), ["prompts"], layout="jagged"), InvalidArgument),
+    "claim below one group": (lambda d: d.claim("score", max_rows=1), InvalidArgument),
+    "claim negative timeout": (lambda d: d.claim("score", max_rows=2, timeout=-1.0), InvalidArgument),
+    "claim min above max": (lambda d: d.claim("score", max_rows=2, min_rows=4), InvalidArgument),
+    "float rows": (
+        lambda d: d.put({"rewards": np.ones(2, np.float32)}, rows=np.array([0.0, 1.0])),
+        InvalidArgument,
+    ),
+    "bad offsets": (lambda d: d.put({"prompts": (np.arange(3), np.array([0, 5]))}), InvalidArgument),
+    "ragged given a scalar": (lambda d: d.put({"prompts": 3}), InvalidArgument),
+    "bf16 from float list": (
+        lambda d: Dock({"x": Column("bfloat16")}, {"s": ["x"]}, 2).put({"x": [1.0, 2.0]}),
+        InvalidArgument,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_bad_input_raises_and_leaves_dock_unchanged(case):
+    fn, exc = BAD_CALLS[case]
+    dock = make_dock()
+    before = snapshot(dock)
+    with pytest.raises(exc) as info:
+        fn(dock)
+    assert isinstance(info.value, MsrlError)
+    assert str(info.value)  # a message that says what was wrong
+    assert snapshot(dock) == before
+
+
+def test_error_messages_name_the_offending_value():
+    dock = make_dock()
+    with pytest.raises(OutOfMemory, match=r"prompts.*640 bytes"):
+        dock.put({"prompts": [np.arange(40)] * 2})
+    with pytest.raises(NotFound, match="nope.*prompts"):
+        dock.put({"nope": [1]})
+    with pytest.raises(InvalidArgument, match="expected dtype int64, got numpy int32"):
+        dock.put({"prompts": [np.arange(2, dtype=np.int32)] * 2})
+    with pytest.raises(InvalidArgument, match="row 4 was never allocated"):
+        dock.put({"rewards": np.ones(2, np.float32)}, rows=[4, 5])
+
+
+def test_reset_while_a_claim_is_blocked_is_refused_and_changes_nothing():
+    dock = make_dock()
+    before = snapshot(dock)
+    done = threading.Event()
+
+    def waiter():
+        with contextlib.suppress(TimeoutError):
+            dock.claim("update", max_rows=2, timeout=0.5)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while dock.progress()["update"]["waiting_claims"] == 0:
+        time.sleep(0.001)
+    with pytest.raises(InvalidArgument, match="in flight"):
+        dock.reset()
+    with pytest.raises(InvalidArgument, match="in flight"):  # and again: a double reset is refused too
+        dock.reset()
+    t.join(5)
+    assert done.is_set()
+    assert snapshot(dock) == before
+    dock.reset()
+    assert dock.stats()["allocated_rows"] == 0
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(InvalidArgument):
+        Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=5, group_size=2)
+    with pytest.raises(NotFound):
+        Dock({"a": Column("int64")}, {"s": ["b"]}, capacity=4)
+    with pytest.raises(InvalidArgument):
+        Dock({"a": Column("complex64")}, {"s": ["a"]}, capacity=4)
+    with pytest.raises(InvalidArgument):
+        Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=4, warehouses=5)
+    with pytest.raises(InvalidArgument):
+        Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=4, backend="mpi")
+    with pytest.raises(InvalidArgument):
+        Dock({"a": "int64"}, {"s": ["a"]}, capacity=4)
+    with pytest.raises(InvalidArgument):
+        Column("int64", shape=(0,))
