@@ -211,6 +211,11 @@ std::shared_ptr<Ticket> CopyEngine::submit(CopyKind kind, uint64_t bytes, Stream
 }
 
 void CopyEngine::finish(Ticket& ticket, std::exception_ptr error) {
+  // Stats first, so a caller woken by the ticket sees them already counted.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++(error ? stats_.failed : stats_.completed);
+  }
   {
     std::lock_guard<std::mutex> lock(ticket.mu_);
     ticket.done_ = true;
@@ -218,10 +223,6 @@ void CopyEngine::finish(Ticket& ticket, std::exception_ptr error) {
     ticket.finished_ = Clock::now();
   }
   ticket.cv_.notify_all();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++(error ? stats_.failed : stats_.completed);
-  }
   idle_cv_.notify_all();
 }
 
