@@ -64,7 +64,16 @@ def test_qkv_deinterleave_plan_matches_numpy():
         base = g * rows_per_group * row
         descs.append([base, g * q_per * head_dim * row, 1, q_per * head_dim * row, 0, 0])
         descs.append([base + q_per * head_dim * row, (q_rows + g * head_dim) * row, 1, head_dim * row, 0, 0])
-        descs.append([base + (q_per + 1) * head_dim * row, (q_rows + kv_rows + g * head_dim) * row, 1, head_dim * row, 0, 0])
+        descs.append(
+            [
+                base + (q_per + 1) * head_dim * row,
+                (q_rows + kv_rows + g * head_dim) * row,
+                1,
+                head_dim * row,
+                0,
+                0,
+            ]
+        )
     d = np.array(descs, dtype=np.int64)
     d[:, 4] = d[:, 3]
     d[:, 5] = d[:, 3]
@@ -73,7 +82,13 @@ def test_qkv_deinterleave_plan_matches_numpy():
     out = np.empty_like(fused)
     engine.execute(plan, out, fused).wait(timeout=10)
     g = fused.reshape(groups, q_per + 2, head_dim, hidden)
-    want = np.concatenate([g[:, :q_per].reshape(-1, hidden), g[:, q_per].reshape(-1, hidden), g[:, q_per + 1].reshape(-1, hidden)])
+    want = np.concatenate(
+        [
+            g[:, :q_per].reshape(-1, hidden),
+            g[:, q_per].reshape(-1, hidden),
+            g[:, q_per + 1].reshape(-1, hidden),
+        ]
+    )
     np.testing.assert_array_equal(out, want)
 
 

@@ -29,10 +29,14 @@ def test_unknown_device_name_is_a_clear_value_error():
 
 def test_msrl_device_environment_variable_is_validated():
     code = "import msrl_core; print(msrl_core.runtime_info()['selected'])"
-    ok = subprocess.run([sys.executable, "-c", code], env={"MSRL_DEVICE": "host"}, capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-c", code], env={"MSRL_DEVICE": "host"}, capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "host"
-    bad = subprocess.run([sys.executable, "-c", code], env={"MSRL_DEVICE": "quantum"}, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-c", code], env={"MSRL_DEVICE": "quantum"}, capture_output=True, text=True
+    )
     assert bad.returncode != 0
     assert "MSRL_DEVICE='quantum'" in bad.stderr and "allowed" in bad.stderr
 

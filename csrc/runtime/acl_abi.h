@@ -51,34 +51,34 @@ constexpr aclError ACL_ERROR_RT_MEMORY_ALLOCATION = 207001;
 constexpr size_t kAclMemcpy2dMaxWidth = 5000000;
 constexpr size_t kAclMemcpy2dMaxHeight = 5u * 1024 * 1024;
 
-#define MSRL_ACL_SYMBOLS(X)                                                                                        \
-  X(aclInit, aclError, (const char* configPath))                                                                   \
-  X(aclrtGetDeviceCount, aclError, (uint32_t * count))                                                             \
-  X(aclrtSetDevice, aclError, (int32_t deviceId))                                                                  \
-  X(aclrtMallocHost, aclError, (void** hostPtr, size_t size))                                                      \
-  X(aclrtFreeHost, aclError, (void* hostPtr))                                                                      \
-  X(aclrtMalloc, aclError, (void** devPtr, size_t size, aclrtMemMallocPolicy policy))                              \
-  X(aclrtFree, aclError, (void* devPtr))                                                                           \
-  X(aclrtHostUnregister, aclError, (void* ptr))                                                                    \
-  X(aclrtCreateStream, aclError, (aclrtStream * stream))                                                           \
-  X(aclrtDestroyStream, aclError, (aclrtStream stream))                                                            \
-  X(aclrtSynchronizeStream, aclError, (aclrtStream stream))                                                        \
-  X(aclrtStreamWaitEvent, aclError, (aclrtStream stream, aclrtEvent event))                                        \
-  X(aclrtMemcpyAsync, aclError,                                                                                    \
-    (void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind, aclrtStream stream))          \
-  X(aclrtMemcpy2dAsync, aclError,                                                                                  \
+#define MSRL_ACL_SYMBOLS(X)                                                                                       \
+  X(aclInit, aclError, (const char* configPath))                                                                  \
+  X(aclrtGetDeviceCount, aclError, (uint32_t * count))                                                            \
+  X(aclrtSetDevice, aclError, (int32_t deviceId))                                                                 \
+  X(aclrtMallocHost, aclError, (void** hostPtr, size_t size))                                                     \
+  X(aclrtFreeHost, aclError, (void* hostPtr))                                                                     \
+  X(aclrtMalloc, aclError, (void** devPtr, size_t size, aclrtMemMallocPolicy policy))                             \
+  X(aclrtFree, aclError, (void* devPtr))                                                                          \
+  X(aclrtHostUnregister, aclError, (void* ptr))                                                                   \
+  X(aclrtCreateStream, aclError, (aclrtStream * stream))                                                          \
+  X(aclrtDestroyStream, aclError, (aclrtStream stream))                                                           \
+  X(aclrtSynchronizeStream, aclError, (aclrtStream stream))                                                       \
+  X(aclrtStreamWaitEvent, aclError, (aclrtStream stream, aclrtEvent event))                                       \
+  X(aclrtMemcpyAsync, aclError,                                                                                   \
+    (void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind, aclrtStream stream))         \
+  X(aclrtMemcpy2dAsync, aclError,                                                                                 \
     (void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height, aclrtMemcpyKind kind, \
-     aclrtStream stream))                                                                                          \
-  X(aclrtCreateEvent, aclError, (aclrtEvent * event))                                                              \
-  X(aclrtDestroyEvent, aclError, (aclrtEvent event))                                                               \
-  X(aclrtRecordEvent, aclError, (aclrtEvent event, aclrtStream stream))                                            \
-  X(aclrtQueryEventStatus, aclError, (aclrtEvent event, aclrtEventRecordedStatus * status))                        \
-  X(aclrtSynchronizeEvent, aclError, (aclrtEvent event))                                                           \
+     aclrtStream stream))                                                                                         \
+  X(aclrtCreateEvent, aclError, (aclrtEvent * event))                                                             \
+  X(aclrtDestroyEvent, aclError, (aclrtEvent event))                                                              \
+  X(aclrtRecordEvent, aclError, (aclrtEvent event, aclrtStream stream))                                           \
+  X(aclrtQueryEventStatus, aclError, (aclrtEvent event, aclrtEventRecordedStatus * status))                       \
+  X(aclrtSynchronizeEvent, aclError, (aclrtEvent event))                                                          \
   X(aclrtEventElapsedTime, aclError, (float* ms, aclrtEvent startEvent, aclrtEvent endEvent))
 
 // Optional: pinning registration (V2 on CANN 8.x+, the mapped-only variant before) and error text.
-#define MSRL_ACL_OPTIONAL_SYMBOLS(X)                                                           \
-  X(aclrtHostRegisterV2, aclError, (void* ptr, uint64_t size, uint32_t flag))                  \
+#define MSRL_ACL_OPTIONAL_SYMBOLS(X)                                                                    \
+  X(aclrtHostRegisterV2, aclError, (void* ptr, uint64_t size, uint32_t flag))                           \
   X(aclrtHostRegister, aclError, (void* ptr, uint64_t size, aclrtHostRegisterType type, void** devPtr)) \
   X(aclGetRecentErrMsg, const char*, ())
 

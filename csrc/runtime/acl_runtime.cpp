@@ -60,10 +60,10 @@ AscendCL load_ascendcl(const std::string& library, std::string* path) {
                why != nullptr ? std::string(why) : *path + ": dlopen failed");
   }
   AscendCL api;
-#define MSRL_ACL_RESOLVE(name, ret, params)                                                         \
-  api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));                                     \
-  if (api.name == nullptr) {                                                                        \
-    dlclose(handle); /* nothing from this library is alive yet */                                   \
+#define MSRL_ACL_RESOLVE(name, ret, params)                                                             \
+  api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));                                         \
+  if (api.name == nullptr) {                                                                            \
+    dlclose(handle); /* nothing from this library is alive yet */                                       \
     MSRL_THROW(kUnavailable, *path, " lacks the symbol ", #name, "; it is not AscendCL (libascendcl)"); \
   }
   MSRL_ACL_SYMBOLS(MSRL_ACL_RESOLVE)
@@ -189,8 +189,8 @@ class AclRuntime final : public DeviceRuntime {
       MSRL_ACL_CALL(aclrtMemcpy2dAsync,
                     (d + r * dpitch, dpitch, s + r * spitch, spitch, width, rows, aclrtMemcpyKind(kind), stream),
                     "dst=", static_cast<void*>(d + r * dpitch), ", dpitch=", dpitch,
-                    ", src=", static_cast<const void*>(s + r * spitch), ", spitch=", spitch, ", ", rows,
-                    " rows of ", width, " bytes, ", copy_kind_name(kind));
+                    ", src=", static_cast<const void*>(s + r * spitch), ", spitch=", spitch, ", ", rows, " rows of ",
+                    width, " bytes, ", copy_kind_name(kind));
     }
   }
 
@@ -208,9 +208,7 @@ class AclRuntime final : public DeviceRuntime {
     MSRL_ACL_CALL(aclrtQueryEventStatus, (check_event(event), &status), event);
     return status == ACL_EVENT_RECORDED_STATUS_COMPLETE;
   }
-  void event_synchronize(Event event) override {
-    MSRL_ACL_CALL(aclrtSynchronizeEvent, (check_event(event)), event);
-  }
+  void event_synchronize(Event event) override { MSRL_ACL_CALL(aclrtSynchronizeEvent, (check_event(event)), event); }
   float event_elapsed_ms(Event start, Event end) override {
     float ms = 0;
     MSRL_ACL_CALL(aclrtEventElapsedTime, (&ms, check_event(start), check_event(end)), start, ", ", end);
@@ -235,7 +233,8 @@ class AclRuntime final : public DeviceRuntime {
   [[noreturn]] void fail(aclError err, const char* fn, const std::string& args, const char* file, int line) const {
     Code code = Code::kDeviceError;
     if (err == ACL_ERROR_BAD_ALLOC || err == ACL_ERROR_RT_MEMORY_ALLOCATION) code = Code::kOutOfMemory;
-    throw Error(code, detail::concat(fn, "(", args, ") failed: aclError ", err, " (", recent_error(), ") [", path_, "]"),
+    throw Error(code,
+                detail::concat(fn, "(", args, ") failed: aclError ", err, " (", recent_error(), ") [", path_, "]"),
                 file, line);
   }
 

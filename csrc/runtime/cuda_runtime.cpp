@@ -19,7 +19,8 @@ namespace {
 
 using namespace cudaabi;
 
-static_assert(int(CopyKind::kHostToHost) == cudaMemcpyHostToHost && int(CopyKind::kHostToDevice) == cudaMemcpyHostToDevice &&
+static_assert(int(CopyKind::kHostToHost) == cudaMemcpyHostToHost &&
+                  int(CopyKind::kHostToDevice) == cudaMemcpyHostToDevice &&
                   int(CopyKind::kDeviceToHost) == cudaMemcpyDeviceToHost &&
                   int(CopyKind::kDeviceToDevice) == cudaMemcpyDeviceToDevice,
               "CopyKind mirrors cudaMemcpyKind");
@@ -53,8 +54,8 @@ Cudart load_cudart(const std::string& library, std::string* path) {
     const char* why = dlerror();  // names the file
     tried += (tried.empty() ? "" : "; ") + (why != nullptr ? std::string(why) : candidate + ": dlopen failed");
   }
-  MSRL_CHECK(handle != nullptr, kUnavailable, "cannot load the CUDA runtime (set MSRL_CUDART_PATH to libcudart.so): ",
-             tried);
+  MSRL_CHECK(handle != nullptr, kUnavailable,
+             "cannot load the CUDA runtime (set MSRL_CUDART_PATH to libcudart.so): ", tried);
   Cudart api;
 #define MSRL_CUDART_RESOLVE(name, ret, params)                                                              \
   api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));                                             \
@@ -68,9 +69,9 @@ Cudart load_cudart(const std::string& library, std::string* path) {
 }
 
 // Calls api_.fn with `args`; on failure throws, naming the call and its arguments (formatted only then).
-#define MSRL_CUDART_CALL(fn, args, ...)                                                        \
-  do {                                                                                         \
-    cudaError_t err_ = api_.fn args;                                                           \
+#define MSRL_CUDART_CALL(fn, args, ...)                                                                \
+  do {                                                                                                 \
+    cudaError_t err_ = api_.fn args;                                                                   \
     if (err_ != cudaSuccess) fail(err_, #fn, ::msrl::detail::concat(__VA_ARGS__), __FILE__, __LINE__); \
   } while (0)
 
@@ -203,16 +204,15 @@ class CudaRuntime final : public DeviceRuntime {
   }
 
   // Out of memory and registration clashes get the codes the host backend uses; the rest are DeviceError.
-  [[noreturn]] void fail(cudaError_t err, const char* fn, const std::string& args, const char* file,
-                         int line) const {
+  [[noreturn]] void fail(cudaError_t err, const char* fn, const std::string& args, const char* file, int line) const {
     Code code = Code::kDeviceError;
     if (err == cudaErrorMemoryAllocation) code = Code::kOutOfMemory;
     if (err == cudaErrorHostMemoryAlreadyRegistered) code = Code::kInvalidArgument;
     if (err == cudaErrorHostMemoryNotRegistered) code = Code::kNotFound;
     const char* text = api_.cudaGetErrorString(err);
     throw Error(code,
-                detail::concat(fn, "(", args, ") failed: cudaError ", err, " (", text != nullptr ? text : "?",
-                               ") [", path_, ", runtime ", version_, "]"),
+                detail::concat(fn, "(", args, ") failed: cudaError ", err, " (", text != nullptr ? text : "?", ") [",
+                               path_, ", runtime ", version_, "]"),
                 file, line);
   }
   Cudart api_;
