@@ -156,6 +156,21 @@ TEST(Warehouse, ResetClearsAndReusesArena) {
   EXPECT_EQ(out, v2);
 }
 
+TEST(Warehouse, EraseForgetsWrittenRows) {
+  Warehouse w(0, 0, 4, two_columns());
+  std::vector<int64_t> rows = {0, 1};
+  std::vector<float> v = {1.f, 2.f};
+  w.put(1, rows.data(), 2, v.data(), nullptr);
+  std::vector<int64_t> first = {0, 3};  // row 3 was never written: ignored
+  w.erase(1, first.data(), 2);
+  EXPECT_FALSE(w.ready(1, rows.data(), 1));
+  EXPECT_TRUE(w.ready(1, rows.data() + 1, 1));
+  EXPECT_EQ(w.column_stats(1).rows_written, 1);
+  w.put(1, rows.data(), 1, v.data(), nullptr);  // writable again
+  std::vector<int64_t> outside = {9};
+  EXPECT_EQ(code_of([&] { w.erase(1, outside.data(), 1); }), Code::kInvalidArgument);
+}
+
 TEST(Warehouse, ResetRefusedWhileAPutIsInFlight) {
   Warehouse w(0, 0, 2, two_columns());
   std::vector<int64_t> rows = {0};

@@ -288,6 +288,20 @@ void bind_dock(py::module_& m) {
              py::gil_scoped_release release;
              w.gather(column, rows.data(), static_cast<size_t>(rows.size()), dst, nbytes);
            })
+      .def("erase",
+           [](dock::Warehouse& w, const std::vector<int>& columns, const I64Array& rows) {
+             for (int c : columns) w.erase(c, rows.data(), static_cast<size_t>(rows.size()));
+           })
+      .def("gather_padded",
+           [](const dock::Warehouse& w, int column, const I64Array& rows, int64_t max_items, py::buffer out) {
+             size_t nbytes = 0;
+             void* dst = writable_ptr(out, &nbytes);
+             const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
+                                 w.columns().at(column).item_bytes();
+             MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
+             py::gil_scoped_release release;
+             w.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst);
+           })
       .def("bytes_held", &dock::Warehouse::bytes_held)
       .def("reset", &dock::Warehouse::reset, py::call_guard<py::gil_scoped_release>());
 

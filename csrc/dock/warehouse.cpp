@@ -233,6 +233,22 @@ void Warehouse::abort(const Reservation& r) {
   }
 }
 
+void Warehouse::erase(int column, const int64_t* rows, size_t n) {
+  (void)arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  Arena& a = arenas_[column];
+  for (size_t i = 0; i < n; ++i) {
+    MSRL_CHECK(owns(rows[i]), kInvalidArgument, "erase: row ", rows[i], " is not in warehouse ", id_);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t& s = a.state[rows[i] - row_begin_];
+    if (s != kWritten) continue;
+    s = kEmpty;
+    --a.rows_written;
+    a.bytes_used -= a.length[rows[i] - row_begin_] * static_cast<int64_t>(columns_[column].item_bytes());
+  }
+}
+
 void Warehouse::put(int column, const int64_t* rows, size_t n, const void* src, const int64_t* lengths) {
   Reservation r = reserve(column, rows, n, lengths);
   std::vector<int64_t> offs(n);

@@ -77,6 +77,9 @@ class Warehouse {
   void write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets);
   void commit(const Reservation& r);  // rows become readable
   void abort(const Reservation& r);   // rows become writable again
+  // Forgets written rows of a column (undoes a committed put whose sibling put failed elsewhere).
+  // Rows not written are ignored; arena space is reclaimed only at reset().
+  void erase(int column, const int64_t* rows, size_t n);
   // reserve + write + commit with the source packed in row order.
   void put(int column, const int64_t* rows, size_t n, const void* src, const int64_t* lengths);
 
