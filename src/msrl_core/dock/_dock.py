@@ -210,9 +210,10 @@ class Dock:
         rows = rows_array(meta, self.capacity)
         cids = [self._cid(c) for c in columns]
         data: dict[str, Any] = {}
-        for name, cid in zip(columns, cids):
+        specs = [(cid, self.columns[c]) for c, cid in zip(columns, cids)]
+        got = self._backend.fetch_many(specs, rows, layout)
+        for name, (arr, lengths) in zip(columns, got):
             col = self.columns[name]
-            arr, lengths = self._backend.fetch(cid, col, rows, layout)
             val = to_output(arr, col, output)
             if lengths is None:
                 data[name] = val
@@ -245,6 +246,19 @@ class Dock:
     def close(self) -> None:
         """Wakes blocked claims with ``Closed``; later claims raise ``Closed``."""
         self._backend.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A dock handle can be sent to other processes (Ray tasks and actors) with the ray backend.
+        if self.backend != "ray":
+            raise InvalidArgument("only a backend='ray' dock can be pickled (local docks stay in-process)")
+        state = dict(self.__dict__)
+        del state["_lat_lock"], state["_lat"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lat = {op: _Latencies() for op in ("put", "claim", "fetch")}
+        self._lat_lock = threading.Lock()
 
     # ---- introspection ---------------------------------------------------------------------
 

@@ -68,6 +68,9 @@ class LocalBackend:
             self._core.gather(cid, rows, out)
         return out, lengths
 
+    def fetch_many(self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str) -> list[tuple]:
+        return [self.fetch(cid, col, rows, layout) for cid, col in cols]
+
     def warehouse_of(self, rows: np.ndarray) -> np.ndarray:
         return self._core.warehouse_of(rows)
 
