@@ -20,6 +20,7 @@ import struct
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -291,6 +292,8 @@ class RayBackend:
         self.fast_path = fast_path
         self._col_list = list(columns.values())
         self._local = threading.local()
+        self._socks: list[socket.socket] = []  # every thread's connection, closed with the client
+        self._finalizer = weakref.finalize(self, _close_all, self._socks)
         if _handles is not None:  # unpickled in another process
             self.controller, self.warehouses, self.endpoint, self.group_warehouse = _handles
             self.num_warehouses = len(self.warehouses)
@@ -375,7 +378,14 @@ class RayBackend:
             except OSError as e:
                 raise Unavailable(f"controller endpoint {path} unreachable: {e}") from None
             self._local.sock = s
+            self._socks.append(s)
         return s
+
+    def _drop_sock(self, sock: socket.socket) -> None:
+        self._local.sock = None
+        if sock in self._socks:
+            self._socks.remove(sock)
+        sock.close()
 
     def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
         sock = self._sock()
@@ -386,10 +396,10 @@ class RayBackend:
             _send_msg(sock, (op, args))
             reply = _recv_msg(sock)
         except TimeoutError:
-            self._local.sock = None
+            self._drop_sock(sock)
             raise Timeout(f"controller did not answer {op} within {wait + _RPC_MARGIN_S} s") from None
         except (ConnectionError, OSError) as e:
-            self._local.sock = None
+            self._drop_sock(sock)
             raise Unavailable(f"controller connection lost during {op} (actor died?): {e}") from None
         if reply[0] == "ok":
             return reply[1]
@@ -533,8 +543,14 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Kills the actors of this dock."""
+        _close_all(self._socks)
         for h in [self.controller, *self.warehouses]:
             ray.kill(h)
+
+
+def _close_all(socks: list[socket.socket]) -> None:
+    while socks:
+        socks.pop().close()
 
 
 def _rebuild(columns, capacity, group_size, op_timeout, fast_path, handles) -> RayBackend:

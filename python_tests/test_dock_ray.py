@@ -1,0 +1,218 @@
+"""The Ray backend: same API and semantics as the local one, across processes, with clear errors when an
+actor dies. One local Ray instance per module (loopback only, 200 MB object store, fractional CPUs)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from msrl_core import Column, Dock, Ragged
+from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory, Timeout, Unavailable
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(
+        num_cpus=2,
+        object_store_memory=200 * 1024 * 1024,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def make_dock(fast_path: bool = True, **kw) -> Dock:
+    args = dict(
+        columns={
+            "prompts": Column("int64", ragged=True, max_len=32),
+            "responses": Column("int64", ragged=True, max_len=32),
+            "rewards": Column("float32"),
+        },
+        stages={"gen": ["prompts"], "score": ["prompts", "responses"], "update": ["responses", "rewards"]},
+        capacity=64,
+        group_size=4,
+        warehouses=2,
+        backend="ray",
+        fast_path=fast_path,
+    )
+    args.update(kw)
+    return Dock(**args)
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["socket", "actor-calls"])
+def test_stages_round_trip(fast_path):
+    dock = make_dock(fast_path)
+    prompts = [np.arange(n, dtype=np.int64) + 100 * n for n in (1, 5, 2, 7, 3, 3, 0, 9)]
+    rows = dock.put({"prompts": prompts})
+    assert len(rows) == 8 and set(dock.warehouse_of(rows).tolist()) == {0, 1}
+    meta = dock.claim("gen", max_rows=8)
+    assert sorted(meta.rows.tolist()) == sorted(rows.tolist())
+    b = dock.fetch(meta)
+    src = {int(r): prompts[i] for i, r in enumerate(rows)}
+    for k, r in enumerate(meta.rows):
+        np.testing.assert_array_equal(b["prompts"][k], src[int(r)])
+    dock.put({"responses": [np.full(int(r) % 3 + 1, int(r)) for r in meta.rows]}, rows=meta)
+    score = dock.take("score", max_rows=8, layout="padded")
+    assert score["responses"].values.shape[0] == 8
+    for k, r in enumerate(score.rows):
+        n = int(r) % 3 + 1
+        assert score["responses"].values[k, :n].tolist() == [int(r)] * n
+        assert score["responses"].mask[k].sum() == n
+    dock.put({"rewards": score.rows.astype(np.float32)}, rows=score)
+    upd = dock.take("update", max_rows=8, output="torch")
+    assert upd["rewards"].tolist() == upd.rows.astype(np.float32).tolist()
+    prog = dock.progress()
+    assert all(p["consumed_rows"] == 8 for p in prog.values())
+    dock.reset()
+    assert dock.stats()["allocated_rows"] == 0
+    assert sum(dock.stats()["warehouse_bytes"]) == 0
+    dock._backend.shutdown()
+
+
+def test_fetch_in_caller_order_across_warehouses():
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.full(i % 4 + 1, i) for i in range(16)]})
+    src = {int(r): i for i, r in enumerate(rows)}
+    shuffled = np.random.default_rng(1).permutation(rows)
+    b = dock.fetch(shuffled, ["prompts"])
+    for k, r in enumerate(shuffled):
+        i = src[int(r)]
+        assert b["prompts"][k].tolist() == [i] * (i % 4 + 1)
+    dock._backend.shutdown()
+
+
+def test_bad_input_raises_and_leaves_the_dock_unchanged():
+    dock = make_dock(capacity=8, group_size=4)
+    dock.put({"prompts": [np.arange(2)] * 4})
+    before = (dock.stats()["allocated_rows"], dock.stats()["warehouse_bytes"], repr(dock.progress()))
+    bad = [
+        (lambda: dock.put({"nope": [1]}), NotFound),
+        (lambda: dock.claim("nope", 4), NotFound),
+        (lambda: dock.put({"prompts": [np.arange(2, dtype=np.int32)] * 4}), InvalidArgument),
+        (lambda: dock.put({"rewards": np.ones(4, np.float32)}, rows=[4, 5, 6, 7]), InvalidArgument),
+        (lambda: dock.put({"prompts": [np.arange(2)] * 8}), OutOfMemory),
+        (lambda: dock.put({"prompts": [np.arange(2)] * 4}, rows=[0, 1, 2, 3]), InvalidArgument),
+        (lambda: dock.fetch(np.arange(4), ["rewards"]), InvalidArgument),
+        (lambda: dock.claim("gen", 2), InvalidArgument),
+        (lambda: dock.claim("score", 4, timeout=0.05, min_rows=4), Timeout),
+    ]
+    for fn, exc in bad:
+        with pytest.raises(exc):
+            fn()
+        assert (
+            dock.stats()["allocated_rows"],
+            dock.stats()["warehouse_bytes"],
+            repr(dock.progress()),
+        ) == before
+    dock._backend.shutdown()
+
+
+def test_failed_put_on_one_warehouse_is_undone_on_the_others():
+    dock = Dock(
+        columns={"v": Column("int64", ragged=True, max_bytes=8 * 8)},
+        stages={"s": ["v"]},
+        capacity=4,
+        group_size=2,
+        warehouses=2,
+        backend="ray",
+    )
+    rows = dock.put({"v": [np.arange(1)] * 2})  # one group in warehouse 0 or 1
+    other = [r for r in range(4) if dock.warehouse_of([r])[0] != dock.warehouse_of(rows[:1])[0]]
+    # 2 more groups would go to both warehouses; the one already holding 2 items overflows (8 items max).
+    with pytest.raises(OutOfMemory):
+        dock.put({"v": Ragged.from_lengths(np.arange(14), [1, 1, 6, 6])}, rows=None)
+    assert dock.stats()["allocated_rows"] == 2
+    assert sorted(dock.stats()["warehouse_bytes"]) == [0, 16]
+    assert len(other) == 2
+    dock._backend.shutdown()
+
+
+def test_blocked_claim_wakes_on_the_completing_put():
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.arange(2)] * 4})
+    out = {}
+
+    def waiter():
+        out["meta"] = dock.claim("score", max_rows=4, timeout=20.0)
+        out["t"] = time.perf_counter()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while dock.progress()["score"]["waiting_claims"] == 0:
+        time.sleep(0.005)
+    dock.put({"responses": [np.arange(1)] * 2}, rows=rows[:2])
+    time.sleep(0.05)
+    assert "meta" not in out  # half a group is not enough
+    t_put = time.perf_counter()
+    dock.put({"responses": [np.arange(1)] * 2}, rows=rows[2:])
+    t.join(20)
+    assert sorted(out["meta"].rows.tolist()) == sorted(rows.tolist())
+    assert out["t"] >= t_put
+    dock._backend.shutdown()
+
+
+@ray.remote(num_cpus=0.1)
+def claim_worker(dock: Dock, stage: str, out_col: str | None, total: int) -> list[int]:
+    """A worker process: claims until the stage has seen `total` rows, puts an output per row."""
+    got: list[int] = []
+    while dock.progress()[stage]["consumed_rows"] < total:
+        try:
+            meta = dock.claim(stage, max_rows=8, timeout=0.2)
+        except TimeoutError:
+            continue
+        got += meta.rows.tolist()
+        if out_col is not None:
+            b = dock.fetch(meta, ["prompts"])
+            dock.put({out_col: [p * 2 for p in b["prompts"]]}, rows=meta)
+    return got
+
+
+def test_exactly_once_across_processes_and_threads():
+    total = 64
+    dock = make_dock(capacity=total)
+    gen = [claim_worker.remote(dock, "gen", "responses", total) for _ in range(2)]
+    score = [claim_worker.remote(dock, "score", None, total) for _ in range(2)]
+    local: list[int] = []
+
+    def producer():
+        for k in range(total // 8):
+            dock.put({"prompts": [np.full(3, 8 * k + i) for i in range(8)]})
+
+    threads = [threading.Thread(target=producer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    gen_rows = sum(ray.get(gen, timeout=120), [])
+    score_rows = sum(ray.get(score, timeout=120), []) + local
+    assert sorted(gen_rows) == list(range(total))
+    assert sorted(score_rows) == list(range(total))
+    b = dock.fetch(np.arange(total), ["prompts", "responses"])
+    for k in range(total):
+        np.testing.assert_array_equal(b["responses"][k], b["prompts"][k] * 2)
+    dock._backend.shutdown()
+
+
+def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
+    dock = make_dock(op_timeout=10.0)
+    rows = dock.put({"prompts": [np.arange(2)] * 8})
+    ray.kill(dock._backend.warehouses[1])
+    t0 = time.perf_counter()
+    with pytest.raises(Unavailable, match="warehouse 1"):
+        dock.fetch(rows, ["prompts"])
+    assert time.perf_counter() - t0 < 10.0
+    ray.kill(dock._backend.controller)
+    t0 = time.perf_counter()
+    with pytest.raises(Unavailable):  # nothing is ready for "update": the claim blocks until the actor dies
+        dock.claim("update", max_rows=4, timeout=20.0)
+    assert time.perf_counter() - t0 < 20.0
+    with pytest.raises(Unavailable):
+        dock.progress()
+    ray.kill(dock._backend.warehouses[0])
