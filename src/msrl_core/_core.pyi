@@ -120,7 +120,8 @@ class CopyEngine:
     def stats(self) -> dict[str, int]: ...
 
 # ---- transfer dock (bindings/dock.cpp) ----
-# Column tuples: (name, dtype, ragged, inner_shape, arena_bytes). Put inputs: (column_id, values, lengths | None).
+# Column tuples: (name, dtype, ragged, inner_shape, arena_bytes).
+# Put inputs: (column_id, values, lengths | None).
 
 class DockCore:
     def __init__(
