@@ -60,3 +60,14 @@ def test_host_device_buffer_is_host_addressable():
     assert buf.nbytes == 64 and int(view.sum()) == 320
     with pytest.raises(errors.InvalidArgument, match="nbytes must be > 0"):
         msrl_core.get_runtime("host").device_alloc(-1)
+
+
+def test_cli_info_prints_the_backends(capsys):
+    import json
+
+    from msrl_core.cli import main
+
+    assert main(["info"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["selected"] == "host" or out["backends"][out["selected"]]["available"]
+    assert out["backends"]["host"]["available"] is True

@@ -102,7 +102,9 @@ class CopyEngine:
     def __init__(
         self, runtime: Runtime, chunk_bytes: int = ..., force_bounce: bool = False, device: int = 0
     ) -> None: ...
-    def copy(self, dst: int, src: int, nbytes: int, kind: str, after: Stream | int | None = None) -> Ticket: ...
+    def copy(
+        self, dst: int, src: int, nbytes: int, kind: str, after: Stream | int | None = None
+    ) -> Ticket: ...
     def execute(
         self,
         plan: CopyPlan,
