@@ -1,5 +1,3 @@
-#include "dock/controller.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "dock/controller.h"
 #include "dock/dock.h"
 
 using namespace msrl;
@@ -267,7 +266,9 @@ TEST(DockCore, RejectsUnallocatedRowsOverflowAndUnknownNames) {
   std::vector<int64_t> rows = {0, 1};
   EXPECT_EQ(code_of([&] { d.put({ColumnInput{2, rw.data(), 8, nullptr}}, rows.data(), 2); }), Code::kInvalidArgument);
   std::vector<int64_t> out_of_range = {16, 17};
-  EXPECT_EQ(code_of([&] { d.put({ColumnInput{2, rw.data(), 8, nullptr}}, out_of_range.data(), 2); }),
+  EXPECT_EQ(code_of([&] {
+              d.put({ColumnInput{2, rw.data(), 8, nullptr}}, out_of_range.data(), 2);
+            }),
             Code::kInvalidArgument);
   EXPECT_EQ(code_of([&] { (void)d.column_index("x"); }), Code::kNotFound);
   EXPECT_EQ(code_of([&] { (void)d.stage_index("x"); }), Code::kNotFound);

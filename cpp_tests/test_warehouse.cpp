@@ -1,5 +1,3 @@
-#include "dock/warehouse.h"
-
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -9,6 +7,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "dock/warehouse.h"
 
 using namespace msrl;
 using namespace msrl::dock;

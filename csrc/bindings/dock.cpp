@@ -1,5 +1,7 @@
 // Transfer dock: DockCore (local backend), Warehouse and Controller (used by the Ray actors).
 // Arguments are validated with the GIL held; puts, fetches and blocking claims run without it.
+#include "dock/dock.h"
+
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -7,7 +9,6 @@
 
 #include "bindings/bindings.h"
 #include "common/error.h"
-#include "dock/dock.h"
 
 namespace msrl::bindings {
 
@@ -65,8 +66,7 @@ void* writable_ptr(py::buffer& b, size_t* nbytes) {
   py::buffer_info info = b.request(true);
   ssize_t expect = info.itemsize;
   for (ssize_t d = info.ndim - 1; d >= 0; --d) {
-    MSRL_CHECK(info.shape[d] == 1 || info.strides[d] == expect, kInvalidArgument,
-               "output buffer must be C-contiguous");
+    MSRL_CHECK(info.shape[d] == 1 || info.strides[d] == expect, kInvalidArgument, "output buffer must be C-contiguous");
     expect *= info.shape[d];
   }
   *nbytes = static_cast<size_t>(info.size * info.itemsize);
@@ -173,10 +173,8 @@ void bind_dock(py::module_& m) {
             return to_array(std::move(rows));
           },
           py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
-      .def("release",
-           [](dock::DockCore& d, int stage, const I64Array& rows) {
-             d.release(stage, rows.data(), static_cast<size_t>(rows.size()));
-           })
+      .def("release", [](dock::DockCore& d, int stage,
+                         const I64Array& rows) { d.release(stage, rows.data(), static_cast<size_t>(rows.size())); })
       .def("lengths",
            [](const dock::DockCore& d, int column, const I64Array& rows) {
              py::array_t<int64_t> out(rows.size());

@@ -29,15 +29,13 @@ Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, 
   consumed_.assign(capacity_, 0);
 }
 
-int Controller::slot_of(int column) const {
-  return (column >= 0 && column <= max_column_) ? slot_[column] : -1;
-}
+int Controller::slot_of(int column) const { return (column >= 0 && column <= max_column_) ? slot_[column] : -1; }
 
 bool Controller::reads(int column) const { return slot_of(column) >= 0; }
 
 void Controller::check_row(int64_t row) const {
-  MSRL_CHECK(row >= 0 && row < capacity_, kInvalidArgument, "stage '", stage_, "': row ", row,
-             " out of range [0, ", capacity_, ")");
+  MSRL_CHECK(row >= 0 && row < capacity_, kInvalidArgument, "stage '", stage_, "': row ", row, " out of range [0, ",
+             capacity_, ")");
 }
 
 void Controller::mark_ready(int column, const int64_t* rows, size_t n) {
@@ -81,8 +79,8 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
   MSRL_CHECK(!closed_, kClosed, "stage '", stage_, "': the dock is closed");
   if (queue_.size() < std::max<size_t>(min_groups, 1) && timeout_s > 0) {
     const auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                               std::chrono::duration<double>(timeout_s));
+        std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
     ++waiting_;
     const size_t want = std::max<size_t>(min_groups, 1);
     bool ok = cv_.wait_until(lock, deadline, [&] { return closed_ || queue_.size() >= want; });
@@ -125,8 +123,8 @@ void Controller::release(const int64_t* rows, size_t n) {
                " rows is not whole groups of ", group_size_);
     for (size_t i = 0; i < n; ++i) {
       const int64_t expect = rows[i - i % group_size_] + static_cast<int64_t>(i % group_size_);
-      MSRL_CHECK(rows[i - i % group_size_] % group_size_ == 0 && rows[i] == expect, kInvalidArgument, "stage '",
-                 stage_, "': release takes whole groups in row order; row ", rows[i], " breaks a group");
+      MSRL_CHECK(rows[i - i % group_size_] % group_size_ == 0 && rows[i] == expect, kInvalidArgument, "stage '", stage_,
+                 "': release takes whole groups in row order; row ", rows[i], " breaks a group");
     }
     for (size_t i = 0; i < n; i += group_size_) {
       const int64_t g = rows[i] / group_size_;

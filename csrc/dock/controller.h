@@ -65,11 +65,11 @@ class Controller {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint8_t> ready_bits_;     // [slot * capacity + row]
-  std::vector<uint16_t> ready_count_;   // per row: input columns written
-  std::vector<int64_t> group_ready_;    // per group: fully ready rows
-  std::vector<uint8_t> consumed_;       // per row
-  std::deque<int64_t> queue_;           // groups fully ready and not consumed, FIFO
+  std::vector<uint8_t> ready_bits_;    // [slot * capacity + row]
+  std::vector<uint16_t> ready_count_;  // per row: input columns written
+  std::vector<int64_t> group_ready_;   // per group: fully ready rows
+  std::vector<uint8_t> consumed_;      // per row
+  std::deque<int64_t> queue_;          // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;
   int64_t waiting_ = 0;
   bool closed_ = false;

@@ -100,20 +100,20 @@ int DockCore::stage_index(const std::string& name) const {
 }
 
 int DockCore::warehouse_of(int64_t row) const {
-  MSRL_CHECK(row >= 0 && row < config_.capacity, kInvalidArgument, "row ", row, " out of range [0, ",
-             config_.capacity, ")");
+  MSRL_CHECK(row >= 0 && row < config_.capacity, kInvalidArgument, "row ", row, " out of range [0, ", config_.capacity,
+             ")");
   return group_warehouse_[row / config_.group_size];
 }
 
 std::vector<int64_t> DockCore::allocate(int64_t n) {
   const int64_t G = config_.group_size;
-  MSRL_CHECK(n > 0 && n % G == 0, kInvalidArgument, "a put of new rows must hold whole groups of ", G,
-             " rows, got ", n, " rows");
+  MSRL_CHECK(n > 0 && n % G == 0, kInvalidArgument, "a put of new rows must hold whole groups of ", G, " rows, got ", n,
+             " rows");
   const size_t want = static_cast<size_t>(n / G);
   std::lock_guard<std::mutex> lock(alloc_mu_);
   const size_t free_groups = returned_.size() + (free_order_.size() - next_free_);
-  MSRL_CHECK(want <= free_groups, kOutOfMemory, "put of ", n, " new rows overflows the dock: ",
-             free_groups * G, " of ", config_.capacity, " rows free (capacity); reset() frees them");
+  MSRL_CHECK(want <= free_groups, kOutOfMemory, "put of ", n, " new rows overflows the dock: ", free_groups * G, " of ",
+             config_.capacity, " rows free (capacity); reset() frees them");
   std::vector<int64_t> rows;
   rows.reserve(n);
   for (size_t k = 0; k < want; ++k) {
@@ -216,8 +216,8 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
       r.src_offsets.push_back(off);
       off += len * item;
     }
-    MSRL_CHECK(static_cast<size_t>(off) == in.nbytes, kInvalidArgument, "column '", spec.name, "': ", n,
-               " rows need ", off, " bytes of values, got ", in.nbytes);
+    MSRL_CHECK(static_cast<size_t>(off) == in.nbytes, kInvalidArgument, "column '", spec.name, "': ", n, " rows need ",
+               off, " bytes of values, got ", in.nbytes);
     timer.bytes += off;
   }
   timer.rows = static_cast<int64_t>(n);
@@ -288,8 +288,8 @@ void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size
   }
   size_t total = 0;
   for (size_t i = 0; i < n; ++i) total += static_cast<size_t>(lens[i]) * item;
-  MSRL_CHECK(total == dst_bytes, kInvalidArgument, "column '", config_.columns[column].name, "': ", n,
-             " rows hold ", total, " bytes, destination has ", dst_bytes);
+  MSRL_CHECK(total == dst_bytes, kInvalidArgument, "column '", config_.columns[column].name, "': ", n, " rows hold ",
+             total, " bytes, destination has ", dst_bytes);
   std::vector<Segment> segs;
   segs.reserve(n);
   uint8_t* out = static_cast<uint8_t*>(dst);

@@ -28,7 +28,7 @@ struct StageSpec {
 struct DockConfig {
   std::vector<ColumnSpec> columns;  // ragged columns: arena_bytes is per warehouse
   std::vector<StageSpec> stages;
-  int64_t capacity = 0;             // rows
+  int64_t capacity = 0;  // rows
   int64_t group_size = 1;
   int warehouses = 1;
 };
@@ -105,7 +105,7 @@ class DockCore {
   std::vector<int64_t> free_order_;  // groups in allocation order (interleaved over warehouses)
   size_t next_free_ = 0;             // groups are handed out in free_order_ until reset
   int64_t allocated_groups_ = 0;
-  std::vector<int64_t> returned_;    // groups given back by a failed put_new, reused first
+  std::vector<int64_t> returned_;  // groups given back by a failed put_new, reused first
 
   std::shared_mutex ops_mu_;  // shared by every operation, exclusive for reset
 };

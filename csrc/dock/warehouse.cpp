@@ -141,8 +141,8 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
   r.dst_offsets.resize(n);
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
-    MSRL_CHECK(owns(rows[i]), kInvalidArgument, "column '", spec.name, "': row ", rows[i], " is not in warehouse ",
-               id_, " rows [", row_begin_, ", ", row_begin_ + num_rows_, ")");
+    MSRL_CHECK(owns(rows[i]), kInvalidArgument, "column '", spec.name, "': row ", rows[i], " is not in warehouse ", id_,
+               " rows [", row_begin_, ", ", row_begin_ + num_rows_, ")");
     int64_t len = 1;
     if (spec.ragged) {
       MSRL_CHECK(lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths are required");
@@ -172,9 +172,8 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
   }
   if (spec.ragged && a.top + total > a.capacity) {
     for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
-    MSRL_THROW(kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ", total,
-               " bytes does not fit (", a.capacity - a.top, " of ", a.capacity,
-               " arena bytes free); raise the column's max_bytes or reset()");
+    MSRL_THROW(kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ", total, " bytes does not fit (",
+               a.capacity - a.top, " of ", a.capacity, " arena bytes free); raise the column's max_bytes or reset()");
   }
   if (!a.data && a.capacity > 0) {
     a.data.reset(new (std::nothrow) uint8_t[a.capacity]);
@@ -203,7 +202,8 @@ void Warehouse::write(const Reservation& r, const uint8_t* src, const int64_t* s
   std::vector<Segment> segs;
   segs.reserve(r.rows.size());
   for (size_t i = 0; i < r.rows.size(); ++i) {
-    if (r.nbytes[i] > 0) segs.push_back({base + r.dst_offsets[i], src + src_offsets[i], static_cast<size_t>(r.nbytes[i])});
+    if (r.nbytes[i] > 0)
+      segs.push_back({base + r.dst_offsets[i], src + src_offsets[i], static_cast<size_t>(r.nbytes[i])});
   }
   copy_segments(std::move(segs));
 }
@@ -331,8 +331,8 @@ void Warehouse::gather_padded(int column, const int64_t* rows, size_t n, int64_t
     check_rows_readable(a, column, rows, n);
     for (size_t i = 0; i < n; ++i) {
       int64_t local = rows[i] - row_begin_;
-      MSRL_CHECK(a.length[local] <= max_items, kInvalidArgument, "column '", columns_[column].name, "': row ",
-                 rows[i], " has ", a.length[local], " items, more than the padded width ", max_items);
+      MSRL_CHECK(a.length[local] <= max_items, kInvalidArgument, "column '", columns_[column].name, "': row ", rows[i],
+                 " has ", a.length[local], " items, more than the padded width ", max_items);
       size_t nb = static_cast<size_t>(a.length[local]) * item;
       if (nb > 0) segs.push_back({out + i * row_stride, a.data.get() + a.offset[local], nb});
       if (nb < row_stride) std::memset(out + i * row_stride + nb, 0, row_stride - nb);  // padding

@@ -35,17 +35,17 @@ struct ColumnSpec {
 // One column's pending write into one warehouse.
 struct Reservation {
   int column = -1;
-  std::vector<int64_t> rows;           // global row ids, all in this warehouse
-  std::vector<int64_t> dst_offsets;    // byte offset of each row in the column arena
-  std::vector<int64_t> nbytes;         // bytes of each row
-  std::vector<int64_t> lengths;        // items per row (ragged) or 1 (fixed)
+  std::vector<int64_t> rows;               // global row ids, all in this warehouse
+  std::vector<int64_t> dst_offsets;        // byte offset of each row in the column arena
+  std::vector<int64_t> nbytes;             // bytes of each row
+  std::vector<int64_t> lengths;            // items per row (ragged) or 1 (fixed)
   int64_t arena_begin = 0, arena_end = 0;  // ragged: reserved span
 };
 
 struct ColumnStats {
   int64_t rows_written = 0;
-  int64_t bytes_used = 0;      // bytes of committed + reserved values
-  int64_t arena_bytes = 0;     // reserved arena capacity
+  int64_t bytes_used = 0;   // bytes of committed + reserved values
+  int64_t arena_bytes = 0;  // reserved arena capacity
 };
 
 // Copies (dst, src, nbytes) segments, merging contiguous ones; large totals run on the shared pool.
@@ -104,10 +104,10 @@ class Warehouse {
   struct Arena {
     std::unique_ptr<uint8_t[]> data;  // allocated lazily: pages are touched only when written
     int64_t capacity = 0;
-    int64_t top = 0;                  // ragged: bump pointer
-    std::vector<uint8_t> state;       // per row
-    std::vector<int64_t> offset;      // per row, bytes
-    std::vector<int64_t> length;      // per row, items
+    int64_t top = 0;              // ragged: bump pointer
+    std::vector<uint8_t> state;   // per row
+    std::vector<int64_t> offset;  // per row, bytes
+    std::vector<int64_t> length;  // per row, items
     int64_t rows_written = 0;
     int64_t bytes_used = 0;
   };
