@@ -106,14 +106,24 @@ TEST(Controller, MinRowsZeroWaitsThenReturnsEmpty) {
   EXPECT_TRUE(c.claim(2, 0, 0.01).empty());
 }
 
-TEST(Controller, ResetRefusedWhileWaitingAndCloseWakesWaiters) {
+TEST(Controller, ResetKeepsWaitersForTheNextIterationAndCloseWakesThem) {
   Controller c("s", 4, 2, {0});
-  Code waiter_code = Code::kUnavailable;
-  std::thread waiter([&] { waiter_code = code_of([&] { c.claim(2, 2, 30.0); }); });
+  std::vector<int64_t> got;
+  uint64_t epoch = 99;
+  std::thread waiter([&] { got = c.claim(2, 2, 30.0, &epoch); });
   while (c.progress().waiting_claims == 0) std::this_thread::yield();
-  EXPECT_EQ(code_of([&] { c.reset(); }), Code::kInvalidArgument);
-  c.close();
+  c.reset();  // the waiter keeps waiting
+  EXPECT_EQ(c.epoch(), 1u);
+  mark(c, 0, {2, 3});
   waiter.join();
+  EXPECT_EQ(got, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(epoch, 1u);
+
+  Code waiter_code = Code::kUnavailable;
+  std::thread w2([&] { waiter_code = code_of([&] { c.claim(2, 2, 30.0); }); });
+  while (c.progress().waiting_claims == 0) std::this_thread::yield();
+  c.close();
+  w2.join();
   EXPECT_EQ(waiter_code, Code::kClosed);
   EXPECT_EQ(code_of([&] { c.claim(2, 0, 0); }), Code::kClosed);
 }
@@ -279,14 +289,50 @@ TEST(DockCore, RejectsUnallocatedRowsOverflowAndUnknownNames) {
   EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, nullptr, 0, l.data()}}, 2); }), Code::kOutOfMemory);
 }
 
-TEST(DockCore, ResetRefusedWhileAClaimBlocks) {
+TEST(DockCore, StaleClaimsAreRejectedAfterReset) {
   DockCore d(small_config());
-  Code waiter = Code::kUnavailable;
-  std::thread t([&] { waiter = code_of([&] { d.claim(0, 2, 2, 30.0); }); });
-  while (d.controller(0).progress().waiting_claims == 0) std::this_thread::yield();
-  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
-  d.close();
-  t.join();
-  EXPECT_EQ(waiter, Code::kClosed);
+  std::vector<int64_t> l = {1, 1};
+  std::vector<int64_t> p = {5, 6};
+  d.put_new({ColumnInput{0, p.data(), 16, l.data()}}, 2);
+  uint64_t epoch = 7;
+  auto rows = d.claim(0, 2, 2, 0, &epoch);
+  EXPECT_EQ(epoch, 0u);
+  std::vector<int64_t> r = {1, 1};
+  d.put({ColumnInput{1, p.data(), 16, r.data()}}, rows.data(), 2, static_cast<int64_t>(epoch));  // current: ok
   d.reset();
+  EXPECT_EQ(d.epoch(), 1u);
+  auto again = d.put_new({ColumnInput{0, p.data(), 16, l.data()}}, 2);  // the same rows, next iteration
+  EXPECT_EQ(again, rows);
+  std::vector<int64_t> out(2);
+  EXPECT_EQ(code_of([&] { d.gather(0, rows.data(), 2, out.data(), 16, static_cast<int64_t>(epoch)); }),
+            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] {
+              d.put({ColumnInput{1, p.data(), 16, r.data()}}, rows.data(), 2, 0);
+            }),
+            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { d.release(0, rows.data(), 2, 0); }), Code::kInvalidArgument);
+  EXPECT_FALSE(d.warehouse(d.warehouse_of(rows[0])).ready(1, rows.data(), 2));  // nothing landed
+  d.gather(0, rows.data(), 2, out.data(), 16, 1);
+  EXPECT_EQ(out, p);
+}
+
+TEST(DockCore, BlockedClaimSurvivesResetAndCloseWakesIt) {
+  DockCore d(small_config());
+  std::vector<int64_t> got;
+  uint64_t epoch = 0;
+  std::thread t([&] { got = d.claim(0, 2, 2, 30.0, &epoch); });
+  while (d.controller(0).progress().waiting_claims == 0) std::this_thread::yield();
+  d.reset();
+  std::vector<int64_t> l = {1, 1};
+  std::vector<int64_t> p = {5, 6};
+  auto rows = d.put_new({ColumnInput{0, p.data(), 16, l.data()}}, 2);
+  t.join();
+  EXPECT_EQ(got, rows);
+  EXPECT_EQ(epoch, 1u);
+  Code waiter = Code::kUnavailable;
+  std::thread t2([&] { waiter = code_of([&] { d.claim(0, 2, 2, 30.0); }); });
+  while (d.controller(0).progress().waiting_claims == 0) std::this_thread::yield();
+  d.close();
+  t2.join();
+  EXPECT_EQ(waiter, Code::kClosed);
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -126,29 +125,55 @@ def test_error_messages_name_the_offending_value():
         dock.put({"rewards": np.ones(2, np.float32)}, rows=[4, 5])
 
 
-def test_reset_while_a_claim_is_blocked_is_refused_and_changes_nothing():
+def test_claims_from_before_a_reset_are_stale_and_change_nothing():
     dock = make_dock()
-    before = snapshot(dock)
-    done = threading.Event()
+    old = dock.claim("score", max_rows=2)
+    old_batch = dock.fetch(old)
+    assert len(old) == 2
+    dock.reset()
+    dock.reset()  # a second reset is harmless
+    rows = dock.put({"prompts": [np.arange(3), np.arange(2)]})
+    assert sorted(rows.tolist()) == sorted(old.rows.tolist())  # the same row ids, a new iteration
+    before = snapshot_new(dock, rows)
+    for fn in (
+        lambda: dock.put({"responses": [np.arange(1)] * 2}, rows=old),
+        lambda: dock.put({"rewards": np.ones(2, np.float32)}, rows=old_batch),
+        lambda: dock.fetch(old, ["prompts"]),
+        lambda: dock.release(old),
+    ):
+        with pytest.raises(InvalidArgument, match="stale claim"):
+            fn()
+        assert snapshot_new(dock, rows) == before
+    assert dock.claim("gen", 2).epoch == old.epoch + 2
+
+
+def snapshot_new(dock: Dock, rows: np.ndarray) -> tuple:
+    s = dock.stats()
+    return (
+        s["allocated_rows"],
+        repr(s["stages"]),
+        tuple(s["warehouse_bytes"]),
+        dock.fetch(rows, ["prompts"])["prompts"].values.tolist(),
+    )
+
+
+def test_a_claim_blocked_across_reset_gets_the_next_iteration():
+    dock = make_dock()
+    got = {}
 
     def waiter():
-        with contextlib.suppress(TimeoutError):
-            dock.claim("update", max_rows=2, timeout=0.5)
-        done.set()
+        got["meta"] = dock.claim("update", max_rows=2, timeout=10.0)
 
     t = threading.Thread(target=waiter)
     t.start()
     while dock.progress()["update"]["waiting_claims"] == 0:
         time.sleep(0.001)
-    with pytest.raises(InvalidArgument, match="in flight"):
-        dock.reset()
-    with pytest.raises(InvalidArgument, match="in flight"):  # and again: a double reset is refused too
-        dock.reset()
-    t.join(5)
-    assert done.is_set()
-    assert snapshot(dock) == before
     dock.reset()
-    assert dock.stats()["allocated_rows"] == 0
+    rows = dock.put({"responses": [np.arange(1)] * 2, "rewards": np.ones(2, np.float32)})
+    t.join(10)
+    assert got["meta"].rows.tolist() == rows.tolist()
+    assert got["meta"].epoch == 1
+    assert dock.fetch(got["meta"], ["rewards"])["rewards"].tolist() == [1.0, 1.0]
 
 
 def test_bad_constructor_arguments():

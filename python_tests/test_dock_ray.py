@@ -91,6 +91,7 @@ def test_fetch_in_caller_order_across_warehouses():
 def test_bad_input_raises_and_leaves_the_dock_unchanged():
     dock = make_dock(capacity=8, group_size=4)
     dock.put({"prompts": [np.arange(2)] * 4})
+
     def state():
         s = dock.stats()
         return s["allocated_rows"], s["warehouse_bytes"], repr(dock.progress())

@@ -155,49 +155,59 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("n"))
       .def(
           "put",
-          [](dock::DockCore& d, const py::list& cols, const I64Array& rows) {
+          [](dock::DockCore& d, const py::list& cols, const I64Array& rows, int64_t epoch) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
-            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()));
+            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch);
           },
-          py::arg("columns"), py::arg("rows"))
+          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1)
       .def(
           "claim",
           [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout) {
             std::vector<int64_t> rows;
+            uint64_t epoch = 0;
             {
               py::gil_scoped_release release;
-              rows = d.claim(stage, max_rows, min_rows, timeout);
+              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch);
             }
-            return to_array(std::move(rows));
+            return py::make_tuple(to_array(std::move(rows)), epoch);
           },
           py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
-      .def("release", [](dock::DockCore& d, int stage,
-                         const I64Array& rows) { d.release(stage, rows.data(), static_cast<size_t>(rows.size())); })
+      .def(
+          "release",
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
+            d.release(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          },
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
+      .def_property_readonly("epoch", &dock::DockCore::epoch)
       .def("lengths",
            [](const dock::DockCore& d, int column, const I64Array& rows) {
              py::array_t<int64_t> out(rows.size());
              d.lengths(column, rows.data(), static_cast<size_t>(rows.size()), out.mutable_data());
              return out;
            })
-      .def("gather",
-           [](dock::DockCore& d, int column, const I64Array& rows, py::buffer out) {
-             size_t nbytes = 0;
-             void* dst = writable_ptr(out, &nbytes);
-             py::gil_scoped_release release;
-             d.gather(column, rows.data(), static_cast<size_t>(rows.size()), dst, nbytes);
-           })
-      .def("gather_padded",
-           [](dock::DockCore& d, int column, const I64Array& rows, int64_t max_items, py::buffer out) {
-             size_t nbytes = 0;
-             void* dst = writable_ptr(out, &nbytes);
-             const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
-                                 d.config().columns.at(column).item_bytes();
-             MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
-             py::gil_scoped_release release;
-             d.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst);
-           })
+      .def(
+          "gather",
+          [](dock::DockCore& d, int column, const I64Array& rows, py::buffer out, int64_t epoch) {
+            size_t nbytes = 0;
+            void* dst = writable_ptr(out, &nbytes);
+            py::gil_scoped_release release;
+            d.gather(column, rows.data(), static_cast<size_t>(rows.size()), dst, nbytes, epoch);
+          },
+          py::arg("column"), py::arg("rows"), py::arg("out"), py::arg("epoch") = -1)
+      .def(
+          "gather_padded",
+          [](dock::DockCore& d, int column, const I64Array& rows, int64_t max_items, py::buffer out, int64_t epoch) {
+            size_t nbytes = 0;
+            void* dst = writable_ptr(out, &nbytes);
+            const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
+                                d.config().columns.at(column).item_bytes();
+            MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
+            py::gil_scoped_release release;
+            d.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst, epoch);
+          },
+          py::arg("column"), py::arg("rows"), py::arg("max_items"), py::arg("out"), py::arg("epoch") = -1)
       .def("warehouse_of",
            [](const dock::DockCore& d, const I64Array& rows) {
              py::array_t<int32_t> out(rows.size());
@@ -316,17 +326,19 @@ void bind_dock(py::module_& m) {
           "claim",
           [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout) {
             std::vector<int64_t> rows;
+            uint64_t epoch = 0;
             {
               py::gil_scoped_release release;
-              rows = c.claim(max_rows, min_rows, timeout);
+              rows = c.claim(max_rows, min_rows, timeout, &epoch);
             }
-            return to_array(std::move(rows));
+            return py::make_tuple(to_array(std::move(rows)), epoch);
           },
           py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
       .def("release",
            [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
       .def("reset", &dock::Controller::reset)
+      .def_property_readonly("epoch", &dock::Controller::epoch)
       .def("close", &dock::Controller::close);
 }
 

@@ -63,7 +63,7 @@ void Controller::mark_ready(int column, const int64_t* rows, size_t n) {
   if (woke) cv_.notify_all();
 }
 
-std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s) {
+std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch) {
   MSRL_CHECK(max_rows >= group_size_, kInvalidArgument, "stage '", stage_, "': max_rows ", max_rows,
              " is smaller than one group (group_size ", group_size_, ")");
   MSRL_CHECK(min_rows >= 0 && min_rows <= max_rows, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
@@ -107,6 +107,7 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
     }
   }
   consumed_rows_ += static_cast<int64_t>(rows.size());
+  if (epoch != nullptr) *epoch = epoch_;
   return rows;
 }
 
@@ -151,14 +152,18 @@ bool Controller::consumed(int64_t row) const {
 
 void Controller::reset() {
   std::lock_guard<std::mutex> lock(mu_);
-  MSRL_CHECK(waiting_ == 0, kInvalidArgument, "stage '", stage_, "': reset() while ", waiting_,
-             " claim(s) are waiting; stop the workers or close() the dock first");
   std::fill(ready_bits_.begin(), ready_bits_.end(), 0);
   std::fill(ready_count_.begin(), ready_count_.end(), 0);
   std::fill(group_ready_.begin(), group_ready_.end(), 0);
   std::fill(consumed_.begin(), consumed_.end(), 0);
   queue_.clear();
   consumed_rows_ = 0;
+  ++epoch_;
+}
+
+uint64_t Controller::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_;
 }
 
 void Controller::close() {

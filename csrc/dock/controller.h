@@ -40,15 +40,18 @@ class Controller {
   // Claims up to max_rows rows as whole groups, FIFO by readiness. Waits until at least min_rows
   // (rounded up to whole groups) are ready or timeout_s passes (Timeout; nothing claimed). With
   // timeout_s == 0 it never waits and returns what is ready (maybe nothing, when min_rows == 0).
-  std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s);
+  // `epoch`, when given, receives the iteration the rows belong to (the number of resets so far).
+  std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr);
 
   // Puts claimed rows back (a worker failed): they become claimable again. Rows must be consumed.
   void release(const int64_t* rows, size_t n);
 
   StageProgress progress() const;
   bool consumed(int64_t row) const;
-  // Clears every bit. Throws InvalidArgument (nothing changed) while a claim is waiting.
+  // Clears every bit and starts the next iteration (epoch + 1). Blocked claims keep waiting and are
+  // served by the next iteration's rows.
   void reset();
+  uint64_t epoch() const;
   // Wakes every waiter with Closed; later claims raise Closed.
   void close();
 
@@ -72,6 +75,7 @@ class Controller {
   std::deque<int64_t> queue_;          // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;
   int64_t waiting_ = 0;
+  uint64_t epoch_ = 0;
   bool closed_ = false;
 };
 

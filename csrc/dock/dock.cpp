@@ -175,8 +175,15 @@ std::vector<int64_t> DockCore::put_new(const std::vector<ColumnInput>& inputs, i
   return rows;
 }
 
-void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
+void DockCore::check_epoch(int64_t epoch) const {
+  MSRL_CHECK(epoch < 0 || static_cast<uint64_t>(epoch) == epoch_.load(), kInvalidArgument,
+             "stale claim: its rows are from iteration ", epoch, " but the dock was reset and is at iteration ",
+             epoch_.load());
+}
+
+void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch) {
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
   put_locked(inputs, rows, n);
 }
 
@@ -251,20 +258,20 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
   }
 }
 
-std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s) {
+std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
-  std::shared_lock<std::shared_mutex> ops(ops_mu_);
   Timer timer(claim_stats);
-  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s);
+  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s, epoch);
   timer.rows = static_cast<int64_t>(rows.size());
   return rows;
 }
 
-void DockCore::release(int stage, const int64_t* rows, size_t n) {
+void DockCore::release(int stage, const int64_t* rows, size_t n, int64_t epoch) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
   controllers_[stage]->release(rows, n);
 }
 
@@ -275,8 +282,9 @@ void DockCore::lengths(int column, const int64_t* rows, size_t n, int64_t* out) 
   }
 }
 
-void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes) {
+void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes, int64_t epoch) {
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
   Timer timer(fetch_stats);
   MSRL_CHECK(column >= 0 && column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", column,
              " out of range");
@@ -303,8 +311,9 @@ void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size
   timer.bytes = static_cast<int64_t>(total);
 }
 
-void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst) {
+void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst, int64_t epoch) {
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
   Timer timer(fetch_stats);
   MSRL_CHECK(column >= 0 && column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", column,
              " out of range");
@@ -333,12 +342,8 @@ void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t 
 
 void DockCore::reset() {
   std::unique_lock<std::shared_mutex> ops(ops_mu_, std::try_to_lock);
-  if (!ops.owns_lock()) {
-    int64_t waiting = 0;
-    for (const auto& c : controllers_) waiting += c->progress().waiting_claims;
-    MSRL_THROW(kInvalidArgument, "reset() while operations are in flight (", waiting,
-               " blocked claim(s), or a put/fetch/reset running); nothing was reset");
-  }
+  MSRL_CHECK(ops.owns_lock(), kInvalidArgument,
+             "reset() while a put, fetch or another reset is in flight; nothing was reset");
   for (const auto& c : controllers_) c->reset();
   for (const auto& w : warehouses_) w->reset();
   std::lock_guard<std::mutex> lock(alloc_mu_);
@@ -346,6 +351,7 @@ void DockCore::reset() {
   next_free_ = 0;
   returned_.clear();
   allocated_groups_ = 0;
+  epoch_.fetch_add(1);
 }
 
 void DockCore::close() {

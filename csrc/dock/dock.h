@@ -66,23 +66,28 @@ class DockCore {
 
   // Allocates n rows (whole groups) and writes the columns into them; on any error nothing changes.
   std::vector<int64_t> put_new(const std::vector<ColumnInput>& inputs, int64_t n);
-  // Writes columns into allocated rows; all-or-nothing over columns and warehouses.
-  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
+  // Writes columns into allocated rows; all-or-nothing over columns and warehouses. With epoch >= 0
+  // (from a claim) the rows must belong to the current iteration: a claim from before a reset is stale.
+  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1);
 
-  std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s);
-  void release(int stage, const int64_t* rows, size_t n);
+  // Claims never block reset(): a blocked claim is served by the next iteration. `epoch` receives the
+  // iteration of the rows.
+  std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s,
+                             uint64_t* epoch = nullptr);
+  uint64_t epoch() const { return epoch_.load(); }
+  void release(int stage, const int64_t* rows, size_t n, int64_t epoch = -1);
 
   // Items per row (1 for fixed columns).
   void lengths(int column, const int64_t* rows, size_t n, int64_t* out) const;
   // Packed copy of the rows in order: dst_bytes must equal the sum of their sizes.
-  void gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes);
+  void gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes, int64_t epoch = -1);
   // Padded copy [n, max_items, inner...], tails zero-filled.
-  void gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst);
+  void gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst, int64_t epoch = -1);
 
   bool allocated(int64_t row) const;
   int64_t allocated_rows() const;
-  // Clears rows, readiness and claims. Throws InvalidArgument (nothing changed) while a claim, put or
-  // fetch is in flight, including a blocked claim, or when another reset runs.
+  // Clears rows, readiness and claims and starts the next iteration. Throws InvalidArgument (nothing
+  // changed) while a put or fetch runs or another reset runs. Claims from before the reset are stale.
   void reset();
   void close();  // wakes blocked claims with Closed
 
@@ -93,6 +98,8 @@ class DockCore {
   void put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
   void free_rows(const std::vector<int64_t>& rows);
   void check_allocated(const int64_t* rows, size_t n) const;
+  void check_epoch(int64_t epoch) const;
+  std::atomic<uint64_t> epoch_{0};
 
   DockConfig config_;
   std::vector<std::unique_ptr<Warehouse>> warehouses_;
@@ -107,7 +114,7 @@ class DockCore {
   int64_t allocated_groups_ = 0;
   std::vector<int64_t> returned_;  // groups given back by a failed put_new, reused first
 
-  std::shared_mutex ops_mu_;  // shared by every operation, exclusive for reset
+  std::shared_mutex ops_mu_;  // shared by puts and fetches, exclusive for reset
 };
 
 }  // namespace msrl::dock

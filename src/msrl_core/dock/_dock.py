@@ -11,7 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from msrl_core.dock._types import Batch, Claim, Column, Padded, Ragged, rows_array, to_output, to_put_input
+from msrl_core.dock._types import (
+    Batch,
+    Claim,
+    Column,
+    Padded,
+    Ragged,
+    epoch_of,
+    rows_array,
+    to_output,
+    to_put_input,
+)
 from msrl_core.errors import InvalidArgument, NotFound
 
 _LAYOUTS = ("packed", "padded")
@@ -159,7 +169,7 @@ class Dock:
                 raise InvalidArgument(f"put of {n} rows of data into {len(out)} rows")
             if n == 0:
                 raise InvalidArgument("put needs at least one row")
-            self._backend.put(inputs, out)
+            self._backend.put(inputs, out, epoch_of(rows))
         self._record("put", t0)
         return out
 
@@ -176,13 +186,13 @@ class Dock:
             min_rows = 0 if timeout == 0 else self.group_size
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidArgument(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-        rows = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout))
+        rows, epoch = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout))
         self._record("claim", t0)
-        return Claim(stage, rows, self._backend.warehouse_of)
+        return Claim(stage, rows, self._backend.warehouse_of, epoch)
 
     def release(self, meta: Claim) -> None:
         """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again."""
-        self._backend.release(self._sid(meta.stage), meta.rows)
+        self._backend.release(self._sid(meta.stage), meta.rows, meta.epoch)
 
     def fetch(
         self,
@@ -211,7 +221,7 @@ class Dock:
         cids = [self._cid(c) for c in columns]
         data: dict[str, Any] = {}
         specs = [(cid, self.columns[c]) for c, cid in zip(columns, cids)]
-        got = self._backend.fetch_many(specs, rows, layout)
+        got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
         for name, (arr, lengths) in zip(columns, got):
             col = self.columns[name]
             val = to_output(arr, col, output)
@@ -222,7 +232,7 @@ class Dock:
             else:
                 data[name] = Ragged.from_lengths(val, lengths)
         self._record("fetch", t0)
-        return Batch(rows, data)
+        return Batch(rows, data, epoch_of(meta))
 
     def take(
         self,
@@ -240,7 +250,9 @@ class Dock:
 
     def reset(self) -> None:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
-        changed) while a claim, put or fetch is in flight."""
+        changed) while a put, fetch or another reset is in flight. Claims blocked in ``claim`` keep
+        waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
+        a put, fetch or release with it raises InvalidArgument instead of touching the new rows."""
         self._backend.reset()
 
     def close(self) -> None:

@@ -43,33 +43,39 @@ class LocalBackend:
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         return self._core.put_new(inputs, n)
 
-    def put(self, inputs: list[tuple], rows: np.ndarray) -> None:
-        self._core.put(inputs, rows)
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
+        self._core.put(inputs, rows, epoch)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> np.ndarray:
+    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
         return self._core.claim(stage, max_rows, min_rows, timeout)
 
-    def release(self, stage: int, rows: np.ndarray) -> None:
-        self._core.release(stage, rows)
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+        self._core.release(stage, rows, epoch)
 
-    def fetch(self, cid: int, col: Column, rows: np.ndarray, layout: str) -> tuple[np.ndarray, Any]:
+    def fetch(
+        self, cid: int, col: Column, rows: np.ndarray, layout: str, epoch: int = -1
+    ) -> tuple[np.ndarray, Any]:
         """Packed: (values, lengths); padded: (values [n, width, ...], lengths); fixed: (array, None)."""
         if not col.ragged:
             out = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
-            self._core.gather(cid, rows, out)
+            self._core.gather(cid, rows, out, epoch)
             return out, None
+        if epoch >= 0 and epoch != self._core.epoch:  # before lengths(); gather re-checks under its lock
+            self._core.gather(cid, rows[:0], np.empty(0, np.uint8), epoch)
         lengths = self._core.lengths(cid, rows)
         if layout == "padded":
             width = int(lengths.max()) if len(lengths) else 0
             out = np.empty((len(rows), width, *col.shape), dtype=col.storage_dtype)
-            self._core.gather_padded(cid, rows, width, out)
+            self._core.gather_padded(cid, rows, width, out, epoch)
         else:
             out = np.empty((int(lengths.sum()), *col.shape), dtype=col.storage_dtype)
-            self._core.gather(cid, rows, out)
+            self._core.gather(cid, rows, out, epoch)
         return out, lengths
 
-    def fetch_many(self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str) -> list[tuple]:
-        return [self.fetch(cid, col, rows, layout) for cid, col in cols]
+    def fetch_many(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
+    ) -> list[tuple]:
+        return [self.fetch(cid, col, rows, layout, epoch) for cid, col in cols]
 
     def warehouse_of(self, rows: np.ndarray) -> np.ndarray:
         return self._core.warehouse_of(rows)

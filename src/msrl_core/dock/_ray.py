@@ -131,7 +131,16 @@ class ControllerState:
             self.allocated[groups] = False
             self.returned += groups.tolist()
 
-    def check_allocated(self, rows: np.ndarray) -> None:
+    def check_epoch(self, epoch: int) -> None:
+        current = self.controllers[0].epoch
+        if epoch >= 0 and epoch != current:
+            raise InvalidArgument(
+                f"stale claim: its rows are from iteration {epoch} but the dock was reset and is at "
+                f"iteration {current}"
+            )
+
+    def check_allocated(self, rows: np.ndarray, epoch: int = -1) -> None:
+        self.check_epoch(epoch)
         with self.lock:
             ok = self.allocated[rows // self.group_size]
         if not ok.all():
@@ -147,27 +156,25 @@ class ControllerState:
             for ctl in self.controllers:
                 ctl.mark_ready(c, rows)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> np.ndarray:
+    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
         return self.controllers[stage].claim(max_rows, min_rows, timeout)
 
-    def release(self, stage: int, rows: np.ndarray) -> None:
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+        self.check_epoch(epoch)
         self.controllers[stage].release(rows)
 
     def progress(self, stage: int) -> dict:
         return self.controllers[stage].progress()
 
-    def reset(self) -> None:
-        waiting = sum(c.progress()["waiting_claims"] for c in self.controllers)
-        if waiting:
-            raise InvalidArgument(
-                f"reset() while operations are in flight ({waiting} blocked claim(s)); nothing was reset"
-            )
-        for c in self.controllers:
-            c.reset()
+    def reset(self) -> int:
+        """Next iteration; blocked claims keep waiting. Returns the new epoch."""
         with self.lock:
+            for c in self.controllers:
+                c.reset()
             self.allocated[:] = False
             self.next_free = 0
             self.returned = []
+        return int(self.controllers[0].epoch)
 
     def close(self) -> None:
         self.closed = True
@@ -229,17 +236,26 @@ class ControllerActor:
 class WarehouseActor:
     def __init__(self, wid: int, row_begin: int, num_rows: int, columns: list[tuple]):
         self.wh = _core.Warehouse(wid, row_begin, num_rows, columns)
-        self.items = {i: c for i, c in enumerate(columns)}
+        self.epoch = 0
 
-    def put(self, inputs: list[tuple], rows: np.ndarray) -> int:
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch >= 0 and epoch != self.epoch:
+            raise InvalidArgument(
+                f"stale claim: its rows are from iteration {epoch} but the dock was reset and is at "
+                f"iteration {self.epoch}"
+            )
+
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> int:
+        self._check_epoch(epoch)
         self.wh.put(inputs, rows)
         return len(rows)
 
     def erase(self, columns: list[int], rows: np.ndarray) -> None:
         self.wh.erase(columns, rows)
 
-    def fetch(self, specs: list[tuple], rows: np.ndarray) -> list[tuple]:
+    def fetch(self, specs: list[tuple], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
         """Packed copies of the rows for each (column id, storage dtype, inner shape, ragged)."""
+        self._check_epoch(epoch)
         out: list[tuple] = []
         for cid, storage, inner, ragged in specs:
             dtype = np.dtype(storage)
@@ -260,8 +276,9 @@ class WarehouseActor:
     def bytes_held(self) -> int:
         return self.wh.bytes_held()
 
-    def reset(self) -> None:
+    def reset(self, epoch: int) -> None:
         self.wh.reset()
+        self.epoch = epoch
 
 
 # ---- client ---------------------------------------------------------------------------------
@@ -421,7 +438,7 @@ class RayBackend:
             if bounds[w + 1] > bounds[w]
         ]
 
-    def _put_rows(self, inputs: list[tuple], rows: np.ndarray) -> None:
+    def _put_rows(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
         parts = self._split(rows)
         refs, used = [], []
         for w, pos in parts:
@@ -437,7 +454,7 @@ class RayBackend:
                     else:
                         piece = np.concatenate([vals[offs[p] : offs[p + 1]] for p in pos])
                     sub.append((cid, piece, lengths[pos]))
-            refs.append(self.warehouses[w].put.remote(sub, rows[pos]))
+            refs.append(self.warehouses[w].put.remote(sub, rows[pos], epoch))
             used.append((w, pos))
         errors: list[BaseException] = []
         ok: list[tuple[int, np.ndarray]] = []
@@ -463,26 +480,28 @@ class RayBackend:
             raise
         return rows
 
-    def put(self, inputs: list[tuple], rows: np.ndarray) -> None:
-        self._ctl("check_allocated", rows)
-        self._put_rows(inputs, rows)
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
+        self._ctl("check_allocated", rows, epoch)
+        self._put_rows(inputs, rows, epoch)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> np.ndarray:
-        rows = self._ctl("claim", stage, max_rows, min_rows, timeout, wait=timeout)
+    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
+        rows, epoch = self._ctl("claim", stage, max_rows, min_rows, timeout, wait=timeout)
         # Order by warehouse (groups stay whole) so a fetch concatenates warehouse answers directly.
         wh = self.warehouse_of(rows)
         if len(wh) and (np.diff(wh) < 0).any():
             rows = rows[np.argsort(wh, kind="stable")]
-        return rows
+        return rows, int(epoch)
 
-    def release(self, stage: int, rows: np.ndarray) -> None:
-        self._ctl("release", stage, rows)
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+        self._ctl("release", stage, rows, epoch)
 
-    def fetch_many(self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str) -> list[tuple]:
+    def fetch_many(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
+    ) -> list[tuple]:
         """One request per involved warehouse for all columns; answers are concatenated in row order."""
         parts = self._split(rows)
         specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
-        refs = [self.warehouses[w].fetch.remote(specs, rows[pos]) for w, pos in parts]
+        refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
         got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(parts, refs)]
         order = np.concatenate([pos for _, pos in parts]) if parts else np.empty(0, np.int64)
         inv = None
@@ -534,8 +553,8 @@ class RayBackend:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
 
     def reset(self) -> None:
-        self._get(self.controller.call.remote("reset"), "controller")
-        self._get([h.reset.remote() for h in self.warehouses], "warehouses")
+        epoch = self._get(self.controller.call.remote("reset"), "controller")
+        self._get([h.reset.remote(epoch) for h in self.warehouses], "warehouses")
 
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):

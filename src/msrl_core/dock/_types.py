@@ -161,6 +161,7 @@ class Claim:
     stage: str
     rows: np.ndarray
     _warehouse_of: Any = field(default=None, repr=False, compare=False)
+    epoch: int = -1  # the iteration (resets so far) the rows belong to; -1 = unchecked
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -174,9 +175,10 @@ class Claim:
 class Batch(Mapping):
     """Fetched columns of some rows: ``batch["rewards"]`` (dense), ``batch["responses"]`` (Ragged/Padded)."""
 
-    def __init__(self, rows: np.ndarray, data: dict[str, Any]):
+    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1):
         self.rows = rows
         self._data = data
+        self.epoch = epoch
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -192,6 +194,11 @@ class Batch(Mapping):
 
 
 RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
+
+
+def epoch_of(rows: Any) -> int:
+    """The iteration a Claim/Batch belongs to; -1 (unchecked) for plain row ids."""
+    return int(rows.epoch) if isinstance(rows, (Claim, Batch)) else -1
 
 
 def rows_array(rows: Any, capacity: int) -> np.ndarray:
