@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     grpo.add_argument("--steps", type=int, default=10)
     grpo.add_argument("--prompts", type=int, default=256)
     grpo.add_argument("--group", type=int, default=4)
+    grpo.add_argument("--wake-trials", type=int, default=20)
     args = ap.parse_args(argv)
     if args.cmd == "local":
         cases = args.cases.split(",")

@@ -1,0 +1,502 @@
+"""GRPO-shaped streaming workload on the dock (Ray backend), the centralized buffer and TransferQueue.
+
+Per step: P prompts x G samples = rows; prompt = 1024 int64 tokens (dense); rollout writes ragged
+responses (int64) and old log-probs (float32) of 16..2048 tokens; three independent stages (reference,
+reward, critic) read prompts + responses and add one column each (ragged float32, scalar float32,
+ragged float32); one update stage claims 256 rows and reads the five sample columns. Two rollout worker
+processes claim 64 rows at a time, one worker process per other stage. Each system runs in its own Ray
+session, one after the other, in this one command; its JSON line carries its figures and the ratios
+against the systems measured before it in the same run.
+
+Extra cases per system: claim latency (64 of 1024 ready rows, from a worker process, no contention) and
+wake-up delay (a claim blocked in a worker process vs the return of the put that completes its rows).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+PROMPT_LEN = 1024
+RESP_MIN, RESP_MAX = 16, 2048
+STAGE_INPUTS = {
+    "rollout": ["prompts"],
+    "reference": ["prompts", "responses"],
+    "reward": ["prompts", "responses"],
+    "critic": ["prompts", "responses"],
+    "update": ["responses", "old_log_prob", "ref_log_prob", "rewards", "values"],
+}
+
+
+def nbytes_of(x: Any) -> int:
+    if isinstance(x, dict):
+        return sum(nbytes_of(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes_of(v) for v in x)
+    if hasattr(x, "nbytes"):
+        return int(x.nbytes)
+    if hasattr(x, "values") and hasattr(x, "offsets"):
+        return nbytes_of(x.values) + nbytes_of(x.offsets)
+    if hasattr(x, "element_size"):
+        return int(x.element_size() * x.numel())
+    return 0
+
+
+# ---- system clients (picklable; used inside the worker processes) ------------------------------
+
+
+class DockClient:
+    name = "dock-ray"
+
+    def __init__(self, dock):
+        self.dock = dock
+
+    def put_prompts(self, prompts: np.ndarray) -> None:
+        self.dock.put({"prompts": prompts})
+
+    def claim(self, stage: str, n: int, timeout: float):
+        try:
+            meta = self.dock.claim(stage, max_rows=n, timeout=timeout)
+        except TimeoutError:
+            return None
+        return meta if len(meta) else None
+
+    def rows(self, h) -> int:
+        return len(h)
+
+    def fetch(self, h, fields: list[str]) -> dict:
+        b = self.dock.fetch(h, fields)
+        out = {}
+        for f in fields:
+            v = b[f]
+            out[f] = (v.values, v.lengths) if hasattr(v, "offsets") else v
+        return out
+
+    def put(self, h, outputs: dict) -> None:
+        from msrl_core import Ragged
+
+        data = {k: (Ragged.from_lengths(*v) if isinstance(v, tuple) else v) for k, v in outputs.items()}
+        self.dock.put(data, rows=h)
+
+    def reset(self) -> None:
+        self.dock.reset()
+
+
+class CentralClient:
+    name = "central"
+
+    def __init__(self, handle):
+        self.h = handle
+
+    def put_prompts(self, prompts: np.ndarray) -> None:
+        import ray
+
+        ray.get(self.h.put.remote(None, {"prompts": list(prompts)}))
+
+    def claim(self, stage: str, n: int, timeout: float):
+        import ray
+
+        rows = ray.get(self.h.claim.remote(stage, n, timeout))
+        return rows or None
+
+    def rows(self, h) -> int:
+        return len(h)
+
+    def fetch(self, h, fields: list[str]) -> dict:
+        import ray
+
+        got = ray.get(self.h.get.remote(h, fields))
+        out = {}
+        for f in fields:
+            vals = got[f]
+            if vals and np.ndim(vals[0]) == 1 and f != "prompts":
+                out[f] = (np.concatenate(vals), np.array([len(v) for v in vals]))
+            else:
+                out[f] = np.stack(vals)
+        return out
+
+    def put(self, h, outputs: dict) -> None:
+        import ray
+
+        cols = {}
+        for k, v in outputs.items():
+            if isinstance(v, tuple):
+                vals, lens = v
+                cols[k] = np.split(vals, np.cumsum(lens)[:-1])
+            else:
+                cols[k] = list(v)
+        ray.get(self.h.put.remote(list(h), cols))
+
+    def reset(self) -> None:
+        import ray
+
+        ray.get(self.h.reset.remote())
+
+
+class TQClient:
+    """TransferQueue through its public low-level client (get_meta / get_data / put), polling mode."""
+
+    name = "transferqueue"
+
+    def __init__(self):
+        self._c = None
+
+    def _client(self):
+        if self._c is None:
+            import transfer_queue as tq
+
+            tq.init()
+            self._c = tq.get_client()
+        return self._c
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._c = None
+
+    def put_prompts(self, prompts: np.ndarray) -> None:
+        import torch
+        from tensordict import TensorDict
+
+        td = TensorDict({"prompts": torch.from_numpy(prompts)}, batch_size=len(prompts))
+        self._client().put(data=td, partition_id="train")
+
+    def claim(self, stage: str, n: int, timeout: float):
+        meta = self._client().get_meta(
+            data_fields=STAGE_INPUTS[stage], batch_size=n, partition_id="train", mode="fetch", task_name=stage
+        )
+        if meta.size == 0:
+            time.sleep(0.005)  # TQ has no server-side wait in polling mode; callers poll
+            return None
+        return meta
+
+    def rows(self, h) -> int:
+        return h.size
+
+    def fetch(self, h, fields: list[str]) -> dict:
+        td = self._client().get_data(h)
+        out = {}
+        for f in fields:
+            t = td[f]
+            if getattr(t, "is_nested", False):
+                out[f] = (t.values().numpy(), t.offsets().diff().numpy())
+            else:
+                out[f] = t.numpy()
+        return out
+
+    def put(self, h, outputs: dict) -> None:
+        import torch
+        from tensordict import TensorDict
+
+        cols = {}
+        n = h.size
+        for k, v in outputs.items():
+            if isinstance(v, tuple):
+                vals, lens = v
+                parts = [torch.from_numpy(p) for p in np.split(vals, np.cumsum(lens)[:-1])]
+                cols[k] = torch.nested.as_nested_tensor(parts, layout=torch.jagged)
+            else:
+                cols[k] = torch.from_numpy(v)
+        self._client().put(data=TensorDict(cols, batch_size=n), metadata=h)
+
+    def reset(self) -> None:
+        self._client().clear_partition("train")
+
+
+# ---- workers ----------------------------------------------------------------------------------
+
+
+class Worker:
+    """One worker process of one stage: claim -> fetch -> compute (cheap, synthetic) -> put."""
+
+    def __init__(self, client, stage: str, claim_n: int, seed: int):
+        self.client, self.stage, self.n = client, stage, claim_n
+        self.rng = np.random.default_rng(seed)
+        self.pool_i = self.rng.integers(0, 50000, size=RESP_MAX * claim_n, dtype=np.int64)
+        self.pool_f = self.rng.standard_normal(RESP_MAX * claim_n, dtype=np.float32)
+        self.stop_ev = threading.Event()
+        self.t = {"claim": [], "fetch": [], "put": []}
+        self.bytes = 0
+        self.rows_done = 0
+
+    def _outputs(self, data: dict, k: int) -> dict:
+        if self.stage == "rollout":
+            lens = self.rng.integers(RESP_MIN, RESP_MAX + 1, size=k)
+            tot = int(lens.sum())
+            return {"responses": (self.pool_i[:tot], lens), "old_log_prob": (self.pool_f[:tot], lens)}
+        lens = data["responses"][1]
+        tot = int(np.sum(lens))
+        if self.stage == "reward":
+            return {"rewards": self.pool_f[:k].copy()}
+        col = "ref_log_prob" if self.stage == "reference" else "values"
+        return {col: (self.pool_f[:tot], np.asarray(lens))}
+
+    def step_once(self, timeout: float) -> int:
+        t0 = time.perf_counter()
+        h = self.client.claim(self.stage, self.n, timeout)
+        t1 = time.perf_counter()
+        if h is None:
+            return 0
+        self.t["claim"].append(t1 - t0)
+        k = self.client.rows(h)
+        data = self.client.fetch(h, STAGE_INPUTS[self.stage])
+        t2 = time.perf_counter()
+        self.t["fetch"].append(t2 - t1)
+        self.bytes += nbytes_of(data)
+        if self.stage != "update":
+            out = self._outputs(data, k)
+            self.bytes += nbytes_of(out)
+            t3 = time.perf_counter()
+            self.client.put(h, out)
+            self.t["put"].append(time.perf_counter() - t3)
+        self.rows_done += k
+        return k
+
+    def loop(self) -> None:
+        while not self.stop_ev.is_set():
+            self.step_once(0.5)
+
+    def run_rows(self, total: int) -> int:
+        done = 0
+        while done < total:
+            done += self.step_once(0.5)
+        return done
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+
+    def report(self) -> dict:
+        return {"t": self.t, "bytes": self.bytes, "rows": self.rows_done}
+
+    # extra cases
+    def claim_latency(self, rounds: int) -> list[float]:
+        lat = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            h = self.client.claim(self.stage, self.n, 5.0)
+            lat.append(time.perf_counter() - t0)
+            assert h is not None
+        return lat
+
+    def blocked_claim(self) -> float:
+        h = None
+        while h is None:  # one blocking call for the dock and the central buffer; TQ polls
+            h = self.client.claim(self.stage, self.n, 30.0)
+        return time.monotonic()
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+
+def start_ray(num_cpus: int) -> None:
+    import ray
+
+    ray.init(
+        num_cpus=num_cpus,
+        object_store_memory=1024 * 1024 * 1024,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def make_system(name: str, capacity: int, group: int):
+    import ray
+
+    if name == "dock-ray":
+        start_ray(os.cpu_count() or 2)
+        from msrl_core import Column, Dock
+
+        r = Column("int64", ragged=True, max_len=1400)
+        f = Column("float32", ragged=True, max_len=1400)
+        dock = Dock(
+            columns={
+                "prompts": Column("int64", shape=(PROMPT_LEN,)),
+                "responses": r,
+                "old_log_prob": f,
+                "ref_log_prob": f,
+                "values": f,
+                "rewards": Column("float32"),
+            },
+            stages=STAGE_INPUTS,
+            capacity=capacity,
+            group_size=group,
+            warehouses=2,
+            backend="ray",
+        )
+        return DockClient(dock), lambda: dock._backend.shutdown()
+    if name == "central":
+        start_ray(os.cpu_count() or 2)
+        from central_buffer import CentralBuffer
+
+        h = (
+            ray.remote(CentralBuffer)
+            .options(num_cpus=0.1, max_concurrency=16)
+            .remote(STAGE_INPUTS, capacity, group)
+        )
+        return CentralClient(h), lambda: None
+    if name == "tq":
+        # TQ reserves one whole Ray CPU for its controller and for each storage unit (2 units here): on a
+        # 2-core machine Ray must be told 4 logical CPUs or tq.init() hangs (reference doc §5.1).
+        start_ray(4)
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+
+        conf = OmegaConf.create(
+            {
+                "controller": {"polling_mode": True},
+                "backend": {"SimpleStorage": {"num_data_storage_units": 2}},
+            }
+        )
+        tq.init(conf)
+        return TQClient(), lambda: tq.close()
+    raise ValueError(name)
+
+
+def pcts(xs: list[float]) -> dict:
+    if not xs:
+        return {"p50_us": None, "p99_us": None, "n": 0}
+    a = np.asarray(xs) * 1e6
+    return {
+        "p50_us": round(float(np.percentile(a, 50)), 1),
+        "p99_us": round(float(np.percentile(a, 99)), 1),
+        "n": len(a),
+    }
+
+
+def run_system(name: str, args, emit) -> dict:
+    import ray
+
+    from dock_bench import PeakSampler, tree_pss
+
+    P, G = args.prompts, args.group
+    capacity = P * G
+    client, shutdown = make_system(name, capacity, G)
+    wcls = ray.remote(Worker).options(num_cpus=0.05, max_concurrency=2)
+    workers = {
+        "rollout": [wcls.remote(client, "rollout", 64, 1), wcls.remote(client, "rollout", 64, 2)],
+        "reference": [wcls.remote(client, "reference", 64, 3)],
+        "reward": [wcls.remote(client, "reward", 64, 4)],
+        "critic": [wcls.remote(client, "critic", 64, 5)],
+    }
+    update = wcls.remote(client, "update", 256, 6)
+    ray.get([w.report.remote() for ws in workers.values() for w in ws] + [update.report.remote()])
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, 50000, size=(capacity, PROMPT_LEN), dtype=np.int64)
+
+    # -- claim latency and wake-up delay, before the workload (quiet machine) --
+    lat: list[float] = []
+    probe = wcls.remote(client, "rollout", 64, 9)
+    ray.get(probe.report.remote())
+    for _ in range(3):
+        client.put_prompts(prompts)
+        lat += ray.get(probe.claim_latency.remote(capacity // 64), timeout=300)
+        client.reset()
+    wake: list[float] = []
+    waiter = wcls.remote(client, "rollout", G, 10)
+    ray.get(waiter.report.remote())  # started before the first trial
+    for _ in range(args.wake_trials):
+        ref = waiter.blocked_claim.remote()
+        time.sleep(0.05)  # let the claim block
+        client.put_prompts(prompts[:G])
+        t_put = time.monotonic()
+        wake.append(ray.get(ref, timeout=60) - t_put)
+        client.reset()
+
+    # -- the streaming workload --
+    loops = [w.loop.remote() for ws in workers.values() for w in ws]
+    idle = tree_pss(os.getpid())
+    t0 = time.perf_counter()
+    put_prompt_t: list[float] = []
+    with PeakSampler(os.getpid(), interval=0.05) as mem:
+        for _step in range(args.steps):
+            tp = time.perf_counter()
+            client.put_prompts(prompts)
+            put_prompt_t.append(time.perf_counter() - tp)
+            ray.get(update.run_rows.remote(capacity), timeout=1200)
+            client.reset()
+    wall = time.perf_counter() - t0
+    for ws in workers.values():
+        for w in ws:
+            w.stop.remote()
+    ray.get(loops, timeout=120)
+    reports = ray.get([w.report.remote() for ws in workers.values() for w in ws] + [update.report.remote()])
+    times = {op: sum((r["t"][op] for r in reports), []) for op in ("claim", "fetch", "put")}
+    times["put"] += put_prompt_t
+    moved = sum(r["bytes"] for r in reports) + prompts.nbytes * args.steps
+    # payload of one step: every column stored once (mean response length)
+    mean_len = (RESP_MIN + RESP_MAX) / 2
+    payload = capacity * (PROMPT_LEN * 8 + mean_len * (8 + 4 + 4 + 4) + 4)
+    row = {
+        "case": "grpo_stream",
+        "system": name,
+        "steps": args.steps,
+        "prompts": P,
+        "group": G,
+        "rows_per_step": capacity,
+        "wall_s": round(wall, 3),
+        "samples_per_s": round(capacity * args.steps / wall, 1),
+        "bytes_per_s": round(moved / wall, 1),
+        "claim": pcts(times["claim"]),
+        "fetch": pcts(times["fetch"]),
+        "put": pcts(times["put"]),
+        "claim_uncontended": pcts(lat),
+        "wake_delay_ms": {
+            "p50": round(statistics.median(wake) * 1e3, 2) if wake else None,
+            "max": round(max(wake) * 1e3, 2) if wake else None,
+            "n": len(wake),
+        },
+        "peak_pss_over_step_payload": round((mem.peak - idle) / payload, 2),
+        "step_payload_bytes": int(payload),
+        "statistic": "percentiles over all operations of all workers; wall time over all steps",
+    }
+    for h in [update, probe, waiter, *[w for ws in workers.values() for w in ws]]:
+        ray.kill(h)
+    shutdown()
+    ray.shutdown()
+    return row
+
+
+def run_grpo(args, emit) -> None:
+    results: dict[str, dict] = {}
+    for name in args.systems.split(","):
+        try:
+            row = run_system(name, args, emit)
+        except Exception as e:  # report and go on: the other systems still run
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+            emit(case="grpo_stream", system=name, error=f"{type(e).__name__}: {e}")
+            continue
+        results[name] = row
+        for base in ("central", "tq"):
+            if base in results and name != base:
+                b = results[base]
+                row[f"samples_per_s_ratio_vs_{base}"] = round(row["samples_per_s"] / b["samples_per_s"], 2)
+                if row["claim_uncontended"]["p50_us"] and b["claim_uncontended"]["p50_us"]:
+                    row[f"claim_p50_lower_x_vs_{base}"] = round(
+                        b["claim_uncontended"]["p50_us"] / row["claim_uncontended"]["p50_us"], 2
+                    )
+        emit(**row)
+    if "dock-ray" in results:  # ratios against baselines that ran after the dock
+        d = results["dock-ray"]
+        summary = {"case": "grpo_summary"}
+        for base in ("central", "tq"):
+            if base in results:
+                b = results[base]
+                summary[f"dock_samples_per_s_over_{base}"] = round(d["samples_per_s"] / b["samples_per_s"], 2)
+                summary[f"dock_claim_p50_lower_x_vs_{base}"] = round(
+                    b["claim_uncontended"]["p50_us"] / d["claim_uncontended"]["p50_us"], 2
+                )
+                summary[f"dock_peak_mem_over_{base}"] = round(
+                    d["peak_pss_over_step_payload"] / b["peak_pss_over_step_payload"], 2
+                )
+        emit(**summary)
