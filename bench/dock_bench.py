@@ -2,6 +2,7 @@
 
   python bench/dock_bench.py local          # claim latency, put+fetch bandwidth, memory (local backend)
   python bench/dock_bench.py grpo [--systems dock-ray,central,tq] [--steps 10]   # GRPO streaming workload
+  python bench/dock_bench.py memory-ray     # 288 MiB bulk cycle through the Ray backend
 
 Cases (local):
   claim64       p50/p99 of Dock.claim(64 rows) with 16k rows ready vs a TransferQueue-style numpy rescan
@@ -310,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     grpo.add_argument("--prompts", type=int, default=256)
     grpo.add_argument("--group", type=int, default=4)
     grpo.add_argument("--wake-trials", type=int, default=20)
+    sub.add_parser(
+        "memory-ray", help="288 MiB bulk cycle through the Ray backend, writer and reader processes"
+    )
     args = ap.parse_args(argv)
     if args.cmd == "local":
         cases = args.cases.split(",")
@@ -319,6 +323,10 @@ def main(argv: list[str] | None = None) -> None:
             bench_put_fetch(args.reps, args.rows, args.warehouses)
         if "memory_bulk" in cases:
             bench_memory_local()
+    elif args.cmd == "memory-ray":
+        from grpo_workload import run_bulk_memory
+
+        run_bulk_memory(args, emit)
     else:
         from grpo_workload import run_grpo  # bench/grpo_workload.py
 

@@ -170,6 +170,35 @@ TEST(Warehouse, EraseForgetsWrittenRows) {
   EXPECT_EQ(code_of([&] { w.erase(1, outside.data(), 1); }), Code::kInvalidArgument);
 }
 
+TEST(Warehouse, ExternalArenaIsUsedAndLocateGivesOffsets) {
+  ColumnSpec tok{"tok", DType::kInt32, true, {}, 64};
+  ColumnSpec r{"r", DType::kFloat32, false, {}, 0};
+  std::vector<uint8_t> mem_tok(64), mem_r(4 * 4);
+  Warehouse w(0, 0, 4, {tok, r}, {mem_tok.data(), mem_r.data()});
+  EXPECT_EQ(w.arena_capacity(0), 64);
+  EXPECT_EQ(w.arena_capacity(1), 16);
+  std::vector<int64_t> rows = {2, 0};
+  std::vector<int64_t> lens = {2, 3};
+  std::vector<int32_t> v = {1, 2, 3, 4, 5};
+  w.put(0, rows.data(), 2, v.data(), lens.data());
+  float f = 2.5f;
+  int64_t row3 = 3;
+  w.put(1, &row3, 1, &f, nullptr);
+  std::vector<int64_t> offs(2), got_lens(2);
+  w.locate(0, rows.data(), 2, offs.data(), got_lens.data());
+  EXPECT_EQ(offs, (std::vector<int64_t>{0, 8}));
+  EXPECT_EQ(got_lens, lens);
+  int32_t first;
+  std::memcpy(&first, mem_tok.data() + offs[1], 4);
+  EXPECT_EQ(first, 3);  // the bytes live in the caller's memory
+  float got;
+  std::memcpy(&got, mem_r.data() + 12, 4);
+  EXPECT_EQ(got, 2.5f);
+  int64_t row1 = 1;
+  EXPECT_EQ(code_of([&] { w.locate(0, &row1, 1, offs.data(), got_lens.data()); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { Warehouse bad(0, 0, 4, {tok, r}, {mem_tok.data()}); }), Code::kInvalidArgument);
+}
+
 TEST(Warehouse, ResetRefusedWhileAPutIsInFlight) {
   Warehouse w(0, 0, 2, two_columns());
   std::vector<int64_t> rows = {0};

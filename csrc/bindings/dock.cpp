@@ -236,10 +236,65 @@ void bind_dock(py::module_& m) {
       .def("close", &dock::DockCore::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<dock::Warehouse>(m, "Warehouse", "One warehouse: columnar arenas for a contiguous range of rows.")
-      .def(py::init([](int id, int64_t row_begin, int64_t num_rows, const std::vector<ColumnTuple>& columns) {
-             return std::make_unique<dock::Warehouse>(id, row_begin, num_rows, parse_columns(columns));
+      .def(py::init([](int id, int64_t row_begin, int64_t num_rows, const std::vector<ColumnTuple>& columns,
+                       const std::vector<uintptr_t>& external) {
+             std::vector<uint8_t*> ext;
+             for (uintptr_t p : external) ext.push_back(reinterpret_cast<uint8_t*>(p));
+             return std::make_unique<dock::Warehouse>(id, row_begin, num_rows, parse_columns(columns), ext);
            }),
-           py::arg("id"), py::arg("row_begin"), py::arg("num_rows"), py::arg("columns"))
+           py::arg("id"), py::arg("row_begin"), py::arg("num_rows"), py::arg("columns"),
+           py::arg("external_arenas") = std::vector<uintptr_t>{},
+           "external_arenas: addresses of caller-owned memory (arena_capacity(c) bytes per column) that must "
+           "outlive the warehouse, e.g. shared-memory mappings.")
+      .def("arena_capacity", &dock::Warehouse::arena_capacity)
+      .def("locate",
+           [](const dock::Warehouse& w, int column, const I64Array& rows) {
+             py::array_t<int64_t> offs(rows.size()), lens(rows.size());
+             w.locate(column, rows.data(), static_cast<size_t>(rows.size()), offs.mutable_data(), lens.mutable_data());
+             return py::make_tuple(offs, lens);
+           })
+      .def(
+          "reserve",
+          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+            // [(column, lengths | None)] -> reservations, all or none.
+            std::vector<std::pair<int, I64Array>> parsed;
+            std::vector<int> ids;
+            std::vector<const int64_t*> lens;
+            std::vector<I64Array> keep;
+            for (const py::handle& h : cols) {
+              py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+              ids.push_back(t[0].cast<int>());
+              if (t[1].is_none()) {
+                lens.push_back(nullptr);
+              } else {
+                keep.push_back(t[1].cast<I64Array>());
+                lens.push_back(keep.back().data());
+              }
+            }
+            std::vector<std::shared_ptr<dock::Reservation>> res;
+            {
+              py::gil_scoped_release release;
+              try {
+                for (size_t k = 0; k < ids.size(); ++k) {
+                  res.push_back(std::make_shared<dock::Reservation>(
+                      w.reserve(ids[k], rows.data(), static_cast<size_t>(rows.size()), lens[k])));
+                }
+              } catch (...) {
+                for (auto& r : res) w.abort(*r);
+                throw;
+              }
+            }
+            return res;
+          },
+          py::arg("columns"), py::arg("rows"))
+      .def("commit",
+           [](dock::Warehouse& w, const std::vector<std::shared_ptr<dock::Reservation>>& res) {
+             for (auto& r : res) w.commit(*r);
+           })
+      .def("abort",
+           [](dock::Warehouse& w, const std::vector<std::shared_ptr<dock::Reservation>>& res) {
+             for (auto& r : res) w.abort(*r);
+           })
       .def_property_readonly("id", &dock::Warehouse::id)
       .def_property_readonly("row_begin", &dock::Warehouse::row_begin)
       .def_property_readonly("num_rows", &dock::Warehouse::num_rows)
@@ -312,6 +367,39 @@ void bind_dock(py::module_& m) {
            })
       .def("bytes_held", &dock::Warehouse::bytes_held)
       .def("reset", &dock::Warehouse::reset, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<dock::Reservation, std::shared_ptr<dock::Reservation>>(
+      m, "Reservation", "Rows of one column reserved in a warehouse arena, not yet readable.")
+      .def_property_readonly("column", [](const dock::Reservation& r) { return r.column; })
+      .def_property_readonly("dst_offsets",
+                             [](const dock::Reservation& r) { return to_array(std::vector<int64_t>(r.dst_offsets)); })
+      .def_property_readonly("nbytes",
+                             [](const dock::Reservation& r) { return to_array(std::vector<int64_t>(r.nbytes)); });
+
+  m.def(
+      "dock_copy_rows",
+      [](py::buffer dst, const I64Array& dst_offsets, py::buffer src, const I64Array& src_offsets,
+         const I64Array& nbytes) {
+        size_t dst_size = 0;
+        uint8_t* d = static_cast<uint8_t*>(writable_ptr(dst, &dst_size));
+        Bytes s = bytes_of(src, "dock_copy_rows");
+        const ssize_t n = nbytes.size();
+        MSRL_CHECK(dst_offsets.size() == n && src_offsets.size() == n, kInvalidArgument,
+                   "dock_copy_rows: offsets and sizes must have the same length");
+        std::vector<dock::Segment> segs;
+        segs.reserve(static_cast<size_t>(n));
+        for (ssize_t i = 0; i < n; ++i) {
+          const int64_t dof = dst_offsets.data()[i], sof = src_offsets.data()[i], nb = nbytes.data()[i];
+          MSRL_CHECK(dof >= 0 && sof >= 0 && nb >= 0 && static_cast<size_t>(dof + nb) <= dst_size &&
+                         static_cast<size_t>(sof + nb) <= s.nbytes,
+                     kInvalidArgument, "dock_copy_rows: segment ", i, " (dst ", dof, ", src ", sof, ", ", nb,
+                     " bytes) is outside the buffers (", dst_size, " and ", s.nbytes, " bytes)");
+          if (nb) segs.push_back({d + dof, static_cast<const uint8_t*>(s.ptr) + sof, static_cast<size_t>(nb)});
+        }
+        py::gil_scoped_release release;
+        dock::copy_segments(std::move(segs));
+      },
+      "Copies byte segments between two buffers (bounds-checked, GIL released, large copies threaded).");
 
   py::class_<dock::Controller>(m, "Controller", "Metadata plane of one stage: readiness and consumed bits.")
       .def(py::init<std::string, int64_t, int64_t, std::vector<int>>(), py::arg("stage"), py::arg("capacity"),

@@ -89,8 +89,11 @@ void copy_segments(std::vector<Segment> segs) {
   });
 }
 
-Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns)
+Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns,
+                     std::vector<uint8_t*> external_arenas)
     : id_(id), row_begin_(row_begin), num_rows_(num_rows), columns_(std::move(columns)) {
+  MSRL_CHECK(external_arenas.empty() || external_arenas.size() == columns_.size(), kInvalidArgument, "warehouse ", id,
+             ": ", external_arenas.size(), " external arenas for ", columns_.size(), " columns");
   MSRL_CHECK(num_rows > 0, kInvalidArgument, "warehouse ", id, ": num_rows must be > 0, got ", num_rows);
   MSRL_CHECK(row_begin >= 0, kInvalidArgument, "warehouse ", id, ": row_begin must be >= 0, got ", row_begin);
   MSRL_CHECK(!columns_.empty(), kInvalidArgument, "warehouse ", id, ": needs at least one column");
@@ -110,6 +113,11 @@ Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<Co
       a.capacity = spec.arena_bytes;
     } else {
       a.capacity = num_rows * static_cast<int64_t>(spec.item_bytes());
+    }
+    if (!external_arenas.empty()) {
+      MSRL_CHECK(external_arenas[c] != nullptr || a.capacity == 0, kInvalidArgument, "column '", spec.name,
+                 "': external arena is null");
+      a.base = external_arenas[c];
     }
     a.state.assign(num_rows, kEmpty);
     a.offset.assign(num_rows, 0);
@@ -175,9 +183,10 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
     MSRL_THROW(kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ", total, " bytes does not fit (",
                a.capacity - a.top, " of ", a.capacity, " arena bytes free); raise the column's max_bytes or reset()");
   }
-  if (!a.data && a.capacity > 0) {
-    a.data.reset(new (std::nothrow) uint8_t[a.capacity]);
-    if (a.data == nullptr) {
+  if (a.base == nullptr && a.capacity > 0) {
+    a.owned.reset(new (std::nothrow) uint8_t[a.capacity]);
+    a.base = a.owned.get();
+    if (a.base == nullptr) {
       for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
       MSRL_THROW(kOutOfMemory, "column '", spec.name, "': cannot allocate ", a.capacity, " arena bytes");
     }
@@ -198,7 +207,7 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
 }
 
 void Warehouse::write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets) {
-  uint8_t* base = arenas_[r.column].data.get();  // set by reserve, stable until destruction
+  uint8_t* base = arenas_[r.column].base;  // set by reserve, stable until destruction
   std::vector<Segment> segs;
   segs.reserve(r.rows.size());
   for (size_t i = 0; i < r.rows.size(); ++i) {
@@ -292,7 +301,7 @@ void Warehouse::views(int column, const int64_t* rows, size_t n, const uint8_t**
   check_rows_readable(a, column, rows, n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t local = rows[i] - row_begin_;
-    ptrs[i] = a.data.get() + a.offset[local];
+    ptrs[i] = a.base + a.offset[local];
     lengths[i] = a.length[local];
   }
 }
@@ -313,7 +322,7 @@ void Warehouse::gather(int column, const int64_t* rows, size_t n, void* dst, siz
     for (size_t i = 0; i < n; ++i) {
       int64_t local = rows[i] - row_begin_;
       size_t nb = static_cast<size_t>(a.length[local]) * item;
-      if (nb > 0) segs.push_back({out, a.data.get() + a.offset[local], nb});
+      if (nb > 0) segs.push_back({out, a.base + a.offset[local], nb});
       out += nb;
     }
   }
@@ -334,12 +343,24 @@ void Warehouse::gather_padded(int column, const int64_t* rows, size_t n, int64_t
       MSRL_CHECK(a.length[local] <= max_items, kInvalidArgument, "column '", columns_[column].name, "': row ", rows[i],
                  " has ", a.length[local], " items, more than the padded width ", max_items);
       size_t nb = static_cast<size_t>(a.length[local]) * item;
-      if (nb > 0) segs.push_back({out + i * row_stride, a.data.get() + a.offset[local], nb});
+      if (nb > 0) segs.push_back({out + i * row_stride, a.base + a.offset[local], nb});
       if (nb < row_stride) std::memset(out + i * row_stride + nb, 0, row_stride - nb);  // padding
     }
   }
   copy_segments(std::move(segs));
 }
+
+void Warehouse::locate(int column, const int64_t* rows, size_t n, int64_t* byte_offsets, int64_t* lengths) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  check_rows_readable(a, column, rows, n);
+  for (size_t i = 0; i < n; ++i) {
+    byte_offsets[i] = a.offset[rows[i] - row_begin_];
+    lengths[i] = a.length[rows[i] - row_begin_];
+  }
+}
+
+int64_t Warehouse::arena_capacity(int column) const { return arena(column).capacity; }
 
 ColumnStats Warehouse::column_stats(int column) const {
   const Arena& a = arena(column);

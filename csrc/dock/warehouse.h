@@ -58,7 +58,10 @@ void copy_segments(std::vector<Segment> segs);
 
 class Warehouse {
  public:
-  Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns);
+  // external_arenas: optional caller-owned memory per column (e.g. a shared-memory mapping other
+  // processes read), arena_capacity(c) bytes each; it must outlive the warehouse.
+  Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns,
+            std::vector<uint8_t*> external_arenas = {});
   Warehouse(const Warehouse&) = delete;
   Warehouse& operator=(const Warehouse&) = delete;
 
@@ -95,6 +98,12 @@ class Warehouse {
   // True when every row is written for the column.
   bool ready(int column, const int64_t* rows, size_t n) const;
 
+  // Byte offsets of each row inside the column arena and its item count (readiness checked), for
+  // readers that map the arena themselves.
+  void locate(int column, const int64_t* rows, size_t n, int64_t* byte_offsets, int64_t* lengths) const;
+  // Bytes of a column's arena: rows x row bytes (fixed) or arena_bytes (ragged).
+  int64_t arena_capacity(int column) const;
+
   ColumnStats column_stats(int column) const;
   int64_t bytes_held() const;  // committed + reserved value bytes over all columns
   void reset();                // forget every row (arenas are kept for reuse)
@@ -102,7 +111,8 @@ class Warehouse {
  private:
   enum : uint8_t { kEmpty = 0, kWriting = 1, kWritten = 2 };
   struct Arena {
-    std::unique_ptr<uint8_t[]> data;  // allocated lazily: pages are touched only when written
+    std::unique_ptr<uint8_t[]> owned;  // allocated lazily: pages are touched only when written
+    uint8_t* base = nullptr;           // owned.get() or caller-provided memory (e.g. shared memory)
     int64_t capacity = 0;
     int64_t top = 0;              // ragged: bump pointer
     std::vector<uint8_t> state;   // per row
