@@ -205,16 +205,28 @@ def test_exactly_once_across_processes_and_threads():
     dock._backend.shutdown()
 
 
+def wait_dead(handle) -> None:
+    """ray.kill is asynchronous: returns once calls to the actor fail."""
+    for _ in range(600):
+        try:
+            ray.get(handle.bytes_held.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("actor still alive 30 s after ray.kill")
+
+
 def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
     dock = make_dock(op_timeout=10.0)
     rows = dock.put({"prompts": [np.arange(2)] * 8})
     ray.kill(dock._backend.warehouses[1])
+    wait_dead(dock._backend.warehouses[1])
     t0 = time.perf_counter()
     with pytest.raises(Unavailable, match="warehouse 1"):
         dock.fetch(rows, ["prompts"])
     assert time.perf_counter() - t0 < 10.0
     ray.kill(dock._backend.controller)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # not waited for: the blocked claim must notice the death by itself
     with pytest.raises(Unavailable):  # nothing is ready for "update": the claim blocks until the actor dies
         dock.claim("update", max_rows=4, timeout=20.0)
     assert time.perf_counter() - t0 < 20.0

@@ -27,7 +27,7 @@ import numpy as np
 
 from msrl_core import _core
 from msrl_core.dock._local import column_tuples
-from msrl_core.dock._types import Column
+from msrl_core.dock._types import _STORAGE, Column
 from msrl_core.errors import Closed, InvalidArgument, MsrlError, OutOfMemory, Timeout, Unavailable
 
 try:
@@ -181,22 +181,8 @@ class ControllerState:
         for c in self.controllers:
             c.close()
 
-    # The same-node fast path.
     def serve(self) -> str:
-        path = os.path.join(tempfile.gettempdir(), f"msrl-dock-{uuid.uuid4().hex[:12]}.sock")
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(path)
-        srv.listen(256)
-        self.sock_path = path
-        threading.Thread(target=self._accept_loop, args=(srv,), daemon=True).start()
-        return path
-
-    def _accept_loop(self, srv: socket.socket) -> None:
-        while True:
-            conn, _ = srv.accept()  # blocks; no polling
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
-
-    def _serve_conn(self, conn: socket.socket) -> None:
+        """Starts the same-node fast path; returns the socket path."""
         ops: dict[str, Any] = {
             "claim": self.claim,
             "mark_ready": self.mark_ready,
@@ -205,13 +191,32 @@ class ControllerState:
             "check_allocated": self.check_allocated,
             "release": self.release,
         }
+        self.sock_path = serve_unix(ops, "ctl")
+        return self.sock_path
+
+
+def serve_unix(ops: dict[str, Any], tag: str, fd_ops: dict[str, Any] | None = None) -> str:
+    """Serves `ops` on a new Unix socket, one thread per connection (blocked in recv, never polling).
+    `fd_ops` answer with file descriptors attached (SCM_RIGHTS)."""
+    path = os.path.join(tempfile.gettempdir(), f"msrl-dock-{tag}-{uuid.uuid4().hex[:12]}.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(256)
+    fd_ops = fd_ops or {}
+
+    def serve_conn(conn: socket.socket) -> None:
         with conn:
             while True:
                 try:
                     op, args = _recv_msg(conn)
-                except (ConnectionError, OSError):
+                except (ConnectionError, OSError, EOFError):
                     return
                 try:
+                    if op in fd_ops:
+                        payload, fds = fd_ops[op](*args)
+                        data = pickle.dumps(("ok", payload))
+                        socket.send_fds(conn, [_HEADER.pack(len(data)) + data], fds)
+                        continue
                     reply: tuple = ("ok", ops[op](*args))
                 except BaseException as e:  # every error goes back to the caller
                     reply = _error_reply(e)
@@ -219,6 +224,14 @@ class ControllerState:
                     _send_msg(conn, reply)
                 except OSError:
                     return
+
+    def accept_loop() -> None:
+        while True:
+            conn, _ = srv.accept()  # blocks; no polling
+            threading.Thread(target=serve_conn, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_loop, daemon=True).start()
+    return path
 
 
 class ControllerActor:
@@ -233,10 +246,54 @@ class ControllerActor:
         return getattr(self.state, op)(*args)
 
 
+def _arena_sizes(columns: list[tuple], num_rows: int) -> list[int]:
+    """Bytes of each column arena, as the native Warehouse computes them."""
+    sizes = []
+    for _name, dtype, ragged, shape, arena_bytes in columns:
+        item = _STORAGE[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
+        sizes.append(int(arena_bytes) if ragged else num_rows * item)
+    return sizes
+
+
 class WarehouseActor:
-    def __init__(self, wid: int, row_begin: int, num_rows: int, columns: list[tuple]):
-        self.wh = _core.Warehouse(wid, row_begin, num_rows, columns)
+    """Holds a native Warehouse. With shared memory (Linux), its arenas are memfd mappings that
+    same-node clients map too: puts copy straight into the arena (reserve -> copy -> commit) and fetches
+    copy straight out of it (locate -> copy -> unlease), with no Ray object-store copies."""
+
+    def __init__(self, wid: int, row_begin: int, num_rows: int, columns: list[tuple], shared: bool = True):
         self.epoch = 0
+        self.lock = threading.Lock()
+        self.pending: dict[int, Any] = {}  # reservation id -> reservations of a client put
+        self.leases: dict[int, int] = {}  # lease id -> epoch, fetches copying out of the arenas now
+        self.next_id = 0
+        self.fds: list[int] = []
+        self.maps: list[Any] = []
+        external: list[int] = []
+        self.shared = shared and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+        if self.shared:
+            import mmap
+
+            for c, size in enumerate(_arena_sizes(columns, num_rows)):
+                fd = os.memfd_create(f"msrl-dock-w{wid}-c{c}")
+                os.ftruncate(fd, max(size, 1))
+                mm = mmap.mmap(fd, max(size, 1))  # MAP_SHARED; pages are touched only when written
+                self.fds.append(fd)
+                self.maps.append(mm)
+                external.append(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+        self.wh = _core.Warehouse(wid, row_begin, num_rows, columns, external)
+        self.path = ""
+        if self.shared:
+            ops = {
+                "reserve": self.reserve,
+                "commit": self.commit,
+                "abort": self.abort,
+                "locate": self.locate,
+                "unlease": self.unlease,
+            }
+            self.path = serve_unix(ops, f"wh{wid}", {"arena_fds": self.arena_fds})
+
+    def endpoint(self) -> tuple[str, str]:
+        return ray.get_runtime_context().get_node_id(), self.path
 
     def _check_epoch(self, epoch: int) -> None:
         if epoch >= 0 and epoch != self.epoch:
@@ -244,6 +301,43 @@ class WarehouseActor:
                 f"stale claim: its rows are from iteration {epoch} but the dock was reset and is at "
                 f"iteration {self.epoch}"
             )
+
+    # -- same-node data path (served on the Unix socket) --
+
+    def arena_fds(self) -> tuple[list[int], list[int]]:
+        return [len(m) for m in self.maps], list(self.fds)
+
+    def reserve(self, cols: list[tuple], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
+        with self.lock:
+            self._check_epoch(epoch)
+            res = self.wh.reserve(cols, rows)
+            self.next_id += 1
+            self.pending[self.next_id] = res
+            return self.next_id, [(r.dst_offsets, r.nbytes) for r in res]
+
+    def commit(self, rid: int) -> None:
+        with self.lock:
+            self.wh.commit(self.pending.pop(rid))
+
+    def abort(self, rid: int) -> None:
+        with self.lock:
+            res = self.pending.pop(rid, None)
+            if res is not None:
+                self.wh.abort(res)
+
+    def locate(self, cids: list[int], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
+        with self.lock:
+            self._check_epoch(epoch)
+            out = [self.wh.locate(c, rows) for c in cids]
+            self.next_id += 1
+            self.leases[self.next_id] = self.epoch
+            return self.next_id, out
+
+    def unlease(self, lid: int) -> None:
+        with self.lock:
+            self.leases.pop(lid, None)
+
+    # -- Ray path (other nodes, or no shared memory) --
 
     def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> int:
         self._check_epoch(epoch)
@@ -277,8 +371,14 @@ class WarehouseActor:
         return self.wh.bytes_held()
 
     def reset(self, epoch: int) -> None:
-        self.wh.reset()
-        self.epoch = epoch
+        with self.lock:
+            if self.leases or self.pending:
+                raise InvalidArgument(
+                    f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "
+                    "flight; nothing was reset in this warehouse"
+                )
+            self.wh.reset()
+            self.epoch = epoch
 
 
 # ---- client ---------------------------------------------------------------------------------
@@ -311,8 +411,13 @@ class RayBackend:
         self._local = threading.local()
         self._socks: list[socket.socket] = []  # every thread's connection, closed with the client
         self._finalizer = weakref.finalize(self, _close_all, self._socks)
+        self._node: str | None = None
+        self._arena_maps: dict[int, list[np.ndarray]] = {}
+        self._arena_lock = threading.Lock()
         if _handles is not None:  # unpickled in another process
-            self.controller, self.warehouses, self.endpoint, self.group_warehouse = _handles
+            self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse = (
+                _handles
+            )
             self.num_warehouses = len(self.warehouses)
             return
         if not ray.is_initialized():
@@ -350,8 +455,9 @@ class RayBackend:
                 wh_cls.options(**opts).remote(w, gb * group_size, rows, column_tuples(columns, rows))
             )
         self.endpoint = self._get(self.controller.endpoint.remote(), "controller")
-        for w, h in enumerate(self.warehouses):
-            self._get(h.bytes_held.remote(), f"warehouse {w}")  # started
+        self.wh_endpoints = [
+            self._get(h.endpoint.remote(), f"warehouse {w}") for w, h in enumerate(self.warehouses)
+        ]
         gw = np.empty(groups, dtype=np.int32)
         for w in range(s):
             gw[w * groups // s : (w + 1) * groups // s] = w
@@ -359,7 +465,7 @@ class RayBackend:
 
     def __reduce__(self):
         # Handles are serializable: another process (a Ray task or actor) gets a client to the same dock.
-        handles = (self.controller, self.warehouses, self.endpoint, self.group_warehouse)
+        handles = (self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse)
         cols = self.columns
         return (
             _rebuild,
@@ -381,46 +487,99 @@ class RayBackend:
                 raise cause from None
             raise
 
-    def _sock(self) -> socket.socket | None:
-        if not self.fast_path:
+    def _node_id(self) -> str:
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return self._node
+
+    def _conn(self, key: str, endpoint: tuple[str, str]) -> socket.socket | None:
+        """This thread's connection to a same-node actor's socket, or None (use Ray calls)."""
+        if not self.fast_path or not endpoint[1]:
             return None
-        s = getattr(self._local, "sock", None)
+        conns = self._local.__dict__.setdefault("conns", {})
+        s = conns.get(key)
         if s is None:
-            node, path = self.endpoint
-            if node != ray.get_runtime_context().get_node_id():
+            node, path = endpoint
+            if node != self._node_id():
                 return None
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(path)
             except OSError as e:
-                raise Unavailable(f"controller endpoint {path} unreachable: {e}") from None
-            self._local.sock = s
+                s.close()
+                raise Unavailable(f"{key} endpoint {path} unreachable (actor died?): {e}") from None
+            conns[key] = s
             self._socks.append(s)
         return s
 
-    def _drop_sock(self, sock: socket.socket) -> None:
-        self._local.sock = None
+    def _drop_conn(self, key: str, sock: socket.socket) -> None:
+        self._local.__dict__.get("conns", {}).pop(key, None)
         if sock in self._socks:
             self._socks.remove(sock)
         sock.close()
 
-    def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
-        sock = self._sock()
-        if sock is None:
-            return self._get(self.controller.call.remote(op, *args), "controller", wait + _RPC_MARGIN_S)
+    def _rpc(
+        self, sock: socket.socket, key: str, op: str, args: tuple, wait: float, fds: bool = False
+    ) -> Any:
         try:
             sock.settimeout(wait + _RPC_MARGIN_S)
             _send_msg(sock, (op, args))
-            reply = _recv_msg(sock)
+            if fds:
+                data, got_fds, _, _ = socket.recv_fds(sock, 1 << 16, 64)
+                (n,) = _HEADER.unpack(data[: _HEADER.size])
+                reply = pickle.loads(data[_HEADER.size : _HEADER.size + n])
+                reply = (reply[0], (reply[1], got_fds)) if reply[0] == "ok" else reply
+            else:
+                reply = _recv_msg(sock)
         except TimeoutError:
-            self._drop_sock(sock)
-            raise Timeout(f"controller did not answer {op} within {wait + _RPC_MARGIN_S} s") from None
-        except (ConnectionError, OSError) as e:
-            self._drop_sock(sock)
-            raise Unavailable(f"controller connection lost during {op} (actor died?): {e}") from None
+            self._drop_conn(key, sock)
+            raise Timeout(f"{key} did not answer {op} within {wait + _RPC_MARGIN_S} s") from None
+        except (ConnectionError, OSError, EOFError) as e:
+            self._drop_conn(key, sock)
+            raise Unavailable(f"{key} connection lost during {op} (actor died?): {e}") from None
         if reply[0] == "ok":
             return reply[1]
         _raise_reply(reply[1], reply[2])
+
+    def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
+        sock = self._conn("controller", self.endpoint)
+        if sock is None:
+            return self._get(self.controller.call.remote(op, *args), "controller", wait + _RPC_MARGIN_S)
+        return self._rpc(sock, "controller", op, args, wait)
+
+    def _wh(self, w: int, op: str, *args: Any) -> Any:
+        key = f"warehouse {w}"
+        sock = self._conn(key, self.wh_endpoints[w])
+        if sock is None:
+            raise Unavailable(f"{key}: no same-node connection")
+        return self._rpc(sock, key, op, args, 0.0)
+
+    def _shared(self) -> bool:
+        """True when every warehouse shares its arenas with this process (same node, Linux)."""
+        if not self.fast_path:
+            return False
+        node = self._node_id()
+        return all(path and n == node for n, path in self.wh_endpoints)
+
+    def _arenas(self, w: int) -> list[np.ndarray]:
+        maps = self._arena_maps.get(w)
+        if maps is None:
+            import mmap
+
+            with self._arena_lock:
+                maps = self._arena_maps.get(w)
+                if maps is None:
+                    key = f"warehouse {w}"
+                    sock = self._conn(key, self.wh_endpoints[w])
+                    assert sock is not None
+                    sizes, fds = self._rpc(sock, key, "arena_fds", (), 0.0, fds=True)
+                    maps = []
+                    for size, fd in zip(sizes, fds):
+                        mm = mmap.mmap(fd, size)
+                        os.close(fd)
+                        maps.append(np.frombuffer(mm, dtype=np.uint8))
+                    self._arena_maps[w] = maps
+        return maps
 
     # -- backend interface --
 
@@ -438,7 +597,80 @@ class RayBackend:
             if bounds[w + 1] > bounds[w]
         ]
 
+    def _put_shared(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
+        """Same-node put: reserve in every warehouse, copy into the shared arenas, commit, publish."""
+        parts = self._split(rows)
+        # Source byte offsets of every row, per column.
+        src = []
+        for cid, vals, lengths in inputs:
+            col = self._col_list[cid]
+            flat = vals.reshape(-1).view(np.uint8)
+            if lengths is None:
+                offs = np.arange(len(rows), dtype=np.int64) * col.item_bytes
+            else:
+                offs = np.zeros(len(lengths), dtype=np.int64)
+                np.cumsum(lengths[:-1], out=offs[1:])
+                offs *= col.item_bytes
+            src.append((flat, offs))
+        reserved: list[tuple[int, int]] = []
+        try:
+            for w, pos in parts:
+                spec = [(cid, None if lengths is None else lengths[pos]) for cid, _, lengths in inputs]
+                rid, dst = self._wh(w, "reserve", spec, rows[pos], epoch)
+                reserved.append((w, rid))
+                arenas = self._arenas(w)
+                for (cid, _, _), (flat, offs), (dst_offs, nbytes) in zip(inputs, src, dst):
+                    _core.dock_copy_rows(arenas[cid], dst_offs, flat, offs[pos], nbytes)
+        except BaseException:
+            for w, rid in reserved:
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "abort", rid)
+            raise
+        for w, rid in reserved:
+            self._wh(w, "commit", rid)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows)
+
+    def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
+        """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
+        parts = self._split(rows)
+        cids = [cid for cid, _ in cols]
+        leases: list[tuple[int, int]] = []
+        try:
+            located = []
+            for w, pos in parts:
+                lid, locs = self._wh(w, "locate", cids, rows[pos], epoch)
+                leases.append((w, lid))
+                located.append(locs)
+            out = []
+            for k, (cid, col) in enumerate(cols):
+                lengths = np.empty(len(rows), dtype=np.int64)
+                for (_, pos), locs in zip(parts, located):
+                    lengths[pos] = locs[k][1]
+                item = col.item_bytes
+                row_bytes = lengths * item
+                dst_offs = np.zeros(len(rows), dtype=np.int64)
+                np.cumsum(row_bytes[:-1], out=dst_offs[1:])
+                total = int(lengths.sum())
+                if col.ragged:
+                    arr = np.empty((total, *col.shape), dtype=col.storage_dtype)
+                else:
+                    arr = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
+                flat = arr.reshape(-1).view(np.uint8)
+                for (w, pos), locs in zip(parts, located):
+                    _core.dock_copy_rows(
+                        flat, dst_offs[pos], self._arenas(w)[cid], locs[k][0], row_bytes[pos]
+                    )
+                out.append((arr, lengths if col.ragged else None))
+            return out
+        finally:
+            for w, lid in leases:
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "unlease", lid)
+
     def _put_rows(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
+        if self._shared():
+            self._put_shared(inputs, rows, epoch)
+            return
         parts = self._split(rows)
         refs, used = [], []
         for w, pos in parts:
@@ -499,6 +731,9 @@ class RayBackend:
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]:
         """One request per involved warehouse for all columns; answers are concatenated in row order."""
+        if self._shared():
+            shared = self._fetch_shared(cols, rows, epoch)
+            return [self._pad(arr, lengths, col, layout) for (arr, lengths), (_, col) in zip(shared, cols)]
         parts = self._split(rows)
         specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
         refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
@@ -528,14 +763,18 @@ class RayBackend:
                     lengths = lengths[inv]
                 else:
                     arr = arr[inv]
-            if col.ragged and layout == "padded":
-                width = int(lengths.max()) if len(lengths) else 0
-                mask = np.arange(width)[None, :] < lengths[:, None]
-                padded = np.zeros((len(lengths), width, *col.shape), dtype=col.storage_dtype)
-                padded[mask] = arr
-                arr = padded
-            results.append((arr, lengths))
+            results.append(self._pad(arr, lengths, col, layout))
         return results
+
+    @staticmethod
+    def _pad(arr: np.ndarray, lengths: Any, col: Column, layout: str) -> tuple:
+        if col.ragged and layout == "padded":
+            width = int(lengths.max()) if len(lengths) else 0
+            mask = np.arange(width)[None, :] < lengths[:, None]
+            padded = np.zeros((len(lengths), width, *col.shape), dtype=col.storage_dtype)
+            padded[mask] = arr
+            arr = padded
+        return arr, lengths
 
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
