@@ -543,21 +543,22 @@ def run_bulk_memory(args, emit) -> None:
     rows, cols, width = 1024, 9, 8192
     payload = rows * cols * width * 4
     start_ray(os.cpu_count() or 2)
-    dock = Dock(
-        columns={f"f{i}": Column("float32", shape=(width,)) for i in range(cols)},
-        stages={"reader": [f"f{i}" for i in range(cols)]},
-        capacity=rows,
-        group_size=1,
-        warehouses=2,
-        backend="ray",
-    )
-    w = ray.remote(BulkWriter).options(num_cpus=0.05).remote(dock, rows, cols, width)
-    r = ray.remote(BulkReader).options(num_cpus=0.05).remote(dock, rows, cols)
-    for variant, chunk, keep in (
+    variants = (
         ("streamed 128-row chunks, reader drops each chunk", 128, False),
         ("one 1024-row put, reader keeps the whole batch", rows, True),
-    ):
-        dock.reset()
+    )
+    for variant, chunk, keep in variants:  # a fresh dock each: arenas keep their pages for reuse
+        dock = Dock(
+            columns={f"f{i}": Column("float32", shape=(width,)) for i in range(cols)},
+            stages={"reader": [f"f{i}" for i in range(cols)]},
+            capacity=rows,
+            group_size=1,
+            warehouses=2,
+            backend="ray",
+        )
+        w = ray.remote(BulkWriter).options(num_cpus=0.05).remote(dock, rows, cols, width)
+        r = ray.remote(BulkReader).options(num_cpus=0.05).remote(dock, rows, cols)
+        ray.get([w.__ray_ready__.remote(), r.__ray_ready__.remote()])
         import gc
 
         gc.collect()
@@ -581,5 +582,7 @@ def run_bulk_memory(args, emit) -> None:
             dense=got["dense"],
             statistic="max of 10 ms PSS samples over the driver's process tree (Ray daemons, actors)",
         )
-    dock._backend.shutdown()
+        ray.kill(w)
+        ray.kill(r)
+        dock._backend.shutdown()
     ray.shutdown()
