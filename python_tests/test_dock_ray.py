@@ -205,22 +205,26 @@ def test_exactly_once_across_processes_and_threads():
     dock._backend.shutdown()
 
 
-def wait_dead(handle) -> None:
-    """ray.kill is asynchronous: returns once calls to the actor fail."""
+def kill_and_wait(handle) -> None:
+    """ray.kill is asynchronous, and Ray reports an actor dead before its process has exited (which
+    could still answer on its socket): returns once the process is gone."""
+    import os
+
+    pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(handle)
     for _ in range(600):
         try:
-            ray.get(handle.bytes_held.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
+            os.kill(pid, 0)
+        except ProcessLookupError:
             return
         time.sleep(0.05)
-    raise AssertionError("actor still alive 30 s after ray.kill")
+    raise AssertionError("actor process still alive 30 s after ray.kill")
 
 
 def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
     dock = make_dock(op_timeout=10.0)
     rows = dock.put({"prompts": [np.arange(2)] * 8})
-    ray.kill(dock._backend.warehouses[1])
-    wait_dead(dock._backend.warehouses[1])
+    kill_and_wait(dock._backend.warehouses[1])
     t0 = time.perf_counter()
     with pytest.raises(Unavailable, match="warehouse 1"):
         dock.fetch(rows, ["prompts"])
@@ -233,3 +237,28 @@ def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
     with pytest.raises(Unavailable):
         dock.progress()
     ray.kill(dock._backend.warehouses[0])
+
+
+def test_stale_claims_and_reset_during_a_fetch_lease_on_the_shared_memory_path():
+    dock = make_dock()
+    assert dock._backend._shared()  # same node: data moves through the shared arenas
+    rows = dock.put({"prompts": [np.arange(3)] * 8})
+    old = dock.claim("gen", max_rows=8)
+    dock.reset()
+    new_rows = dock.put({"prompts": [np.arange(2)] * 8})
+    assert sorted(new_rows.tolist()) == sorted(rows.tolist())
+    with pytest.raises(InvalidArgument, match="stale claim"):
+        dock.fetch(old)
+    with pytest.raises(InvalidArgument, match="stale claim"):
+        dock.put({"responses": [np.arange(1)] * 8}, rows=old)
+    assert dock.fetch(new_rows, ["prompts"])["prompts"].lengths.tolist() == [2] * 8
+    # A fetch copying out of a warehouse holds a lease; reset is refused until it ends.
+    b = dock._backend
+    lid, _ = b._wh(0, "locate", [0], new_rows[dock.warehouse_of(new_rows) == 0], -1)
+    with pytest.raises(InvalidArgument, match="in flight"):
+        dock.reset()
+    assert dock.fetch(new_rows, ["prompts"])["prompts"].lengths.tolist() == [2] * 8  # nothing was reset
+    assert dock.claim("gen", max_rows=8).epoch == old.epoch + 1
+    b._wh(0, "unlease", lid)
+    dock.reset()
+    b.shutdown()

@@ -370,15 +370,22 @@ class WarehouseActor:
     def bytes_held(self) -> int:
         return self.wh.bytes_held()
 
+    def check_idle(self) -> None:
+        with self.lock:
+            self._check_idle()
+
     def reset(self, epoch: int) -> None:
         with self.lock:
-            if self.leases or self.pending:
-                raise InvalidArgument(
-                    f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "
-                    "flight; nothing was reset in this warehouse"
-                )
+            self._check_idle()
             self.wh.reset()
             self.epoch = epoch
+
+    def _check_idle(self) -> None:
+        if self.leases or self.pending:
+            raise InvalidArgument(
+                f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "
+                "flight; nothing was reset"
+            )
 
 
 # ---- client ---------------------------------------------------------------------------------
@@ -792,6 +799,9 @@ class RayBackend:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
 
     def reset(self) -> None:
+        # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
+        # starting between this check and the warehouse resets can still make one of them refuse).
+        self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
         epoch = self._get(self.controller.call.remote("reset"), "controller")
         self._get([h.reset.remote(epoch) for h in self.warehouses], "warehouses")
 
