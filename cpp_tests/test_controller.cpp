@@ -58,6 +58,18 @@ TEST(Controller, FifoByReadinessAndMaxRowsInWholeGroups) {
   EXPECT_EQ(code_of([&] { mark(c, 0, {12}); }), Code::kInvalidArgument);
 }
 
+TEST(Controller, LengthBalancedClaimsStopAtTheItemBudget) {
+  Controller c("s", 8, 2, {0}, /*length_column=*/1);  // balance by column 1, which it does not read
+  std::vector<int64_t> rows = {0, 1, 2, 3, 4, 5, 6, 7};
+  std::vector<int64_t> lens = {100, 100, 10, 10, 10, 10, 300, 300};
+  c.mark_ready(1, rows.data(), rows.size(), lens.data());
+  c.mark_ready(0, rows.data(), rows.size());
+  EXPECT_EQ(c.claim(8, 0, 0, nullptr, 230), (std::vector<int64_t>{0, 1, 2, 3}));  // 200 + 20 fits, +20 not
+  EXPECT_EQ(c.claim(8, 0, 0, nullptr, 30), (std::vector<int64_t>{4, 5}));         // 20 fits
+  EXPECT_EQ(c.claim(8, 0, 0, nullptr, 30), (std::vector<int64_t>{6, 7}));         // always one group
+  EXPECT_TRUE(c.claim(8, 0, 0, nullptr, 30).empty());
+}
+
 TEST(Controller, MarkReadyIsIdempotent) {
   Controller c("s", 4, 2, {0});
   mark(c, 0, {0, 1});
@@ -203,8 +215,8 @@ DockConfig small_config(int warehouses = 2) {
   cfg.columns = {ColumnSpec{"prompt", DType::kInt64, true, {}, 1 << 16},
                  ColumnSpec{"response", DType::kInt64, true, {}, 1 << 16},
                  ColumnSpec{"reward", DType::kFloat32, false, {}, 0}};
-  cfg.stages = {StageSpec{"rollout", {"prompt"}}, StageSpec{"reward", {"prompt", "response"}},
-                StageSpec{"update", {"prompt", "response", "reward"}}};
+  cfg.stages = {StageSpec{"rollout", {"prompt"}, ""}, StageSpec{"reward", {"prompt", "response"}, "response"},
+                StageSpec{"update", {"prompt", "response", "reward"}, ""}};
   cfg.capacity = 16;
   cfg.group_size = 2;
   cfg.warehouses = warehouses;
@@ -240,6 +252,19 @@ TEST(DockCore, StreamsRowsThroughStages) {
   EXPECT_EQ(padded, (std::vector<int64_t>{1, 1, 0, 2, 2, 0, 3, 3, 3, 4, 4, 4}));
   EXPECT_EQ(d.claim_stats.count.load(), 3);
   EXPECT_EQ(d.put_stats.rows.load(), 8);
+}
+
+TEST(DockCore, PutsRecordLengthsForBalancedStages) {
+  DockCore d(small_config());
+  std::vector<int64_t> plens = {1, 1, 1, 1};
+  std::vector<int64_t> p = {1, 2, 3, 4};
+  auto rows = d.put_new({ColumnInput{0, p.data(), 32, plens.data()}}, 4);
+  std::vector<int64_t> rlens = {5, 5, 1, 1};
+  std::vector<int64_t> resp(12, 7);
+  d.put({ColumnInput{1, resp.data(), 96, rlens.data()}}, rows.data(), 4);
+  auto first = d.claim(1, 4, 0, 0, nullptr, /*max_items=*/10);  // "reward" balances by "response"
+  EXPECT_EQ(first, (std::vector<int64_t>{rows[0], rows[1]}));
+  EXPECT_EQ(d.claim(1, 4, 0, 0, nullptr, 10).size(), 2u);
 }
 
 TEST(DockCore, FailedMultiColumnPutChangesNothing) {

@@ -10,7 +10,7 @@ import pytest
 
 import msrl_core
 from msrl_core import Column, Dock, Padded, Ragged
-from msrl_core.errors import Closed, Timeout
+from msrl_core.errors import Closed, InvalidArgument, Timeout
 
 torch = pytest.importorskip("torch")
 
@@ -226,3 +226,30 @@ def test_arena_reused_across_iterations():
         b = dock.take("s", 2)
         assert b["v"].values.tolist() == [it] * 4 + [it + 1] * 4
         dock.reset()
+
+
+def test_length_balanced_claims_take_groups_up_to_an_item_budget():
+    dock = Dock(
+        columns={"prompts": Column("int64"), "responses": Column("int64", ragged=True, max_len=64)},
+        stages={"gen": ["prompts"], "train": ["responses"]},
+        capacity=8,
+        group_size=2,
+        balance_by="responses",
+    )
+    rows = dock.put({"prompts": np.arange(8)})
+    lens = {int(r): n for r, n in zip(rows, (50, 50, 5, 5, 5, 5, 90, 90))}
+    dock.put({"responses": [np.zeros(lens[int(r)], np.int64) for r in rows]}, rows=rows)
+    sizes = []
+    while True:
+        meta = dock.claim("train", max_rows=8, max_items=110)
+        if not len(meta):
+            break
+        sizes.append(sum(lens[int(r)] for r in meta.rows))
+    assert sizes == [110, 10, 180]  # budget respected except for a single oversized group
+    with pytest.raises(InvalidArgument):
+        dock.claim("gen", max_rows=2, max_items=0)
+    with pytest.raises(InvalidArgument):
+        Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=2, balance_by="a")
+    plain = Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=2)
+    with pytest.raises(InvalidArgument, match="balance_by"):
+        plain.claim("s", max_rows=2, max_items=10)

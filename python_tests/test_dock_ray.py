@@ -262,3 +262,17 @@ def test_stale_claims_and_reset_during_a_fetch_lease_on_the_shared_memory_path()
     b._wh(0, "unlease", lid)
     dock.reset()
     b.shutdown()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["shared-memory", "object-store"])
+def test_length_balanced_claims(fast_path):
+    dock = make_dock(fast_path, balance_by="responses", capacity=8, group_size=2)
+    rows = dock.put({"prompts": [np.arange(1)] * 8})
+    lens = {int(r): n for r, n in zip(rows, (20, 20, 2, 2, 2, 2, 30, 30))}
+    dock.put({"responses": [np.zeros(lens[int(r)], np.int64) for r in rows]}, rows=rows)
+    sizes = []
+    for _ in range(3):
+        meta = dock.claim("score", max_rows=8, max_items=45)
+        sizes.append(sum(lens[int(r)] for r in meta.rows))
+    assert sizes == [44, 4, 60]
+    dock._backend.shutdown()

@@ -126,11 +126,13 @@ py::dict progress_dict(const dock::StageProgress& p) {
 void bind_dock(py::module_& m) {
   py::class_<dock::DockCore>(m, "DockCore", "The embedded transfer dock: warehouses, controllers, row allocator.")
       .def(py::init([](const std::vector<ColumnTuple>& columns,
-                       const std::vector<std::pair<std::string, std::vector<std::string>>>& stages, int64_t capacity,
-                       int64_t group_size, int warehouses) {
+                       const std::vector<std::tuple<std::string, std::vector<std::string>, std::string>>& stages,
+                       int64_t capacity, int64_t group_size, int warehouses) {
              dock::DockConfig cfg;
              cfg.columns = parse_columns(columns);
-             for (const auto& [name, inputs] : stages) cfg.stages.push_back(dock::StageSpec{name, inputs});
+             for (const auto& [name, inputs, len_col] : stages) {
+               cfg.stages.push_back(dock::StageSpec{name, inputs, len_col});
+             }
              cfg.capacity = capacity;
              cfg.group_size = group_size;
              cfg.warehouses = warehouses;
@@ -164,16 +166,16 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1)
       .def(
           "claim",
-          [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout) {
+          [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
             uint64_t epoch = 0;
             {
               py::gil_scoped_release release;
-              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch);
+              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch, max_items);
             }
             return py::make_tuple(to_array(std::move(rows)), epoch);
           },
-          py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
+          py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
       .def(
           "release",
           [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
@@ -402,26 +404,35 @@ void bind_dock(py::module_& m) {
       "Copies byte segments between two buffers (bounds-checked, GIL released, large copies threaded).");
 
   py::class_<dock::Controller>(m, "Controller", "Metadata plane of one stage: readiness and consumed bits.")
-      .def(py::init<std::string, int64_t, int64_t, std::vector<int>>(), py::arg("stage"), py::arg("capacity"),
-           py::arg("group_size"), py::arg("input_columns"))
+      .def(py::init<std::string, int64_t, int64_t, std::vector<int>, int>(), py::arg("stage"), py::arg("capacity"),
+           py::arg("group_size"), py::arg("input_columns"), py::arg("length_column") = -1)
       .def_property_readonly("stage", &dock::Controller::stage)
       .def("reads", &dock::Controller::reads)
-      .def("mark_ready",
-           [](dock::Controller& c, int column, const I64Array& rows) {
-             c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()));
-           })
+      .def(
+          "mark_ready",
+          [](dock::Controller& c, int column, const I64Array& rows, py::object lengths) {
+            if (lengths.is_none()) {
+              c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()));
+              return;
+            }
+            I64Array lens = lengths.cast<I64Array>();
+            MSRL_CHECK(lens.size() == rows.size(), kInvalidArgument, "mark_ready: ", lens.size(), " lengths for ",
+                       rows.size(), " rows");
+            c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()), lens.data());
+          },
+          py::arg("column"), py::arg("rows"), py::arg("lengths") = py::none())
       .def(
           "claim",
-          [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout) {
+          [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
             uint64_t epoch = 0;
             {
               py::gil_scoped_release release;
-              rows = c.claim(max_rows, min_rows, timeout, &epoch);
+              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items);
             }
             return py::make_tuple(to_array(std::move(rows)), epoch);
           },
-          py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"))
+          py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
       .def("release",
            [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })

@@ -7,8 +7,13 @@
 
 namespace msrl::dock {
 
-Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns)
-    : stage_(std::move(stage)), capacity_(capacity), group_size_(group_size), inputs_(std::move(input_columns)) {
+Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns,
+                       int length_column)
+    : stage_(std::move(stage)),
+      capacity_(capacity),
+      group_size_(group_size),
+      inputs_(std::move(input_columns)),
+      length_column_(length_column) {
   MSRL_CHECK(group_size_ > 0, kInvalidArgument, "stage '", stage_, "': group_size must be > 0, got ", group_size_);
   MSRL_CHECK(capacity_ > 0 && capacity_ % group_size_ == 0, kInvalidArgument, "stage '", stage_,
              "': capacity must be a positive multiple of group_size ", group_size_, ", got ", capacity_);
@@ -27,6 +32,7 @@ Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, 
   ready_count_.assign(capacity_, 0);
   group_ready_.assign(capacity_ / group_size_, 0);
   consumed_.assign(capacity_, 0);
+  row_len_.assign(capacity_, 0);
 }
 
 int Controller::slot_of(int column) const { return (column >= 0 && column <= max_column_) ? slot_[column] : -1; }
@@ -38,10 +44,16 @@ void Controller::check_row(int64_t row) const {
              capacity_, ")");
 }
 
-void Controller::mark_ready(int column, const int64_t* rows, size_t n) {
+void Controller::mark_ready(int column, const int64_t* rows, size_t n, const int64_t* lengths) {
   const int slot = slot_of(column);
-  if (slot < 0) return;
+  const bool record = column == length_column_ && length_column_ >= 0 && lengths != nullptr;
+  if (slot < 0 && !record) return;
   for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  if (record) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) row_len_[rows[i]] = lengths[i];
+  }
+  if (slot < 0) return;
   const uint16_t need = static_cast<uint16_t>(inputs_.size());
   bool woke = false;
   {
@@ -63,7 +75,8 @@ void Controller::mark_ready(int column, const int64_t* rows, size_t n) {
   if (woke) cv_.notify_all();
 }
 
-std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch) {
+std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
+                                       int64_t max_items) {
   MSRL_CHECK(max_rows >= group_size_, kInvalidArgument, "stage '", stage_, "': max_rows ", max_rows,
              " is smaller than one group (group_size ", group_size_, ")");
   MSRL_CHECK(min_rows >= 0 && min_rows <= max_rows, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
@@ -95,7 +108,19 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
     MSRL_THROW(kTimeout, "stage '", stage_, "': ", queue_.size() * group_size_, " rows ready, fewer than min_rows ",
                min_rows, " (timeout ", timeout_s, " s)");
   }
-  const size_t take = std::min(max_groups, queue_.size());
+  size_t take = std::min(max_groups, queue_.size());
+  if (max_items > 0) {  // length-balanced: FIFO groups while their items fit the budget
+    int64_t items = 0;
+    size_t k = 0;
+    for (; k < take; ++k) {
+      const int64_t g = queue_[k];
+      int64_t gi = 0;
+      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) gi += row_len_[r];
+      if (k > 0 && items + gi > max_items) break;
+      items += gi;
+    }
+    take = std::max<size_t>(k, std::min<size_t>(min_groups, queue_.size()));
+  }
   std::vector<int64_t> rows;
   rows.reserve(take * group_size_);
   for (size_t k = 0; k < take; ++k) {
@@ -156,6 +181,7 @@ void Controller::reset() {
   std::fill(ready_count_.begin(), ready_count_.end(), 0);
   std::fill(group_ready_.begin(), group_ready_.end(), 0);
   std::fill(consumed_.begin(), consumed_.end(), 0);
+  std::fill(row_len_.begin(), row_len_.end(), 0);
   queue_.clear();
   consumed_rows_ = 0;
   ++epoch_;

@@ -26,7 +26,10 @@ struct StageProgress {
 class Controller {
  public:
   // input_columns: dock column ids this stage reads; a row is ready when all of them are written.
-  Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns);
+  // length_column: a dock column (usually ragged) whose per-row lengths the controller records from
+  // mark_ready() for length-balanced claims; -1 for none.
+  Controller(std::string stage, int64_t capacity, int64_t group_size, std::vector<int> input_columns,
+             int length_column = -1);
   Controller(const Controller&) = delete;
   Controller& operator=(const Controller&) = delete;
 
@@ -35,13 +38,19 @@ class Controller {
   bool reads(int column) const;
 
   // Marks the rows' column written (a no-op for columns this stage does not read) and wakes waiters.
-  void mark_ready(int column, const int64_t* rows, size_t n);
+  // lengths (optional): items per row, recorded when column is the length column.
+  void mark_ready(int column, const int64_t* rows, size_t n, const int64_t* lengths = nullptr);
 
   // Claims up to max_rows rows as whole groups, FIFO by readiness. Waits until at least min_rows
   // (rounded up to whole groups) are ready or timeout_s passes (Timeout; nothing claimed). With
   // timeout_s == 0 it never waits and returns what is ready (maybe nothing, when min_rows == 0).
   // `epoch`, when given, receives the iteration the rows belong to (the number of resets so far).
-  std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr);
+  // max_items > 0 balances claims by length: whole groups are taken FIFO while their summed lengths in
+  // the length column stay within max_items (always at least one group), so concurrent workers of a
+  // stage get about the same number of tokens rather than the same number of rows.
+  std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr,
+                             int64_t max_items = 0);
+  int length_column() const { return length_column_; }
 
   // Puts claimed rows back (a worker failed): they become claimable again. Rows must be consumed.
   void release(const int64_t* rows, size_t n);
@@ -63,6 +72,7 @@ class Controller {
   const int64_t capacity_;
   const int64_t group_size_;
   const std::vector<int> inputs_;
+  const int length_column_;
   int max_column_ = -1;
   std::vector<int> slot_;  // dock column id -> input slot, -1 if not read
 
@@ -72,6 +82,7 @@ class Controller {
   std::vector<uint16_t> ready_count_;  // per row: input columns written
   std::vector<int64_t> group_ready_;   // per group: fully ready rows
   std::vector<uint8_t> consumed_;      // per row
+  std::vector<int64_t> row_len_;       // per row, from the length column
   std::deque<int64_t> queue_;          // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;
   int64_t waiting_ = 0;

@@ -55,7 +55,6 @@ DockCore::DockCore(DockConfig config) : config_(std::move(config)) {
     std::vector<ColumnSpec> cols = config_.columns;
     warehouses_.push_back(std::make_unique<Warehouse>(w, gb * G, (ge - gb) * G, std::move(cols)));
   }
-  readers_.resize(config_.columns.size());
   for (size_t s = 0; s < config_.stages.size(); ++s) {
     const StageSpec& st = config_.stages[s];
     for (size_t j = 0; j < s; ++j) {
@@ -68,9 +67,10 @@ DockCore::DockCore(DockConfig config) : config_(std::move(config)) {
         if (config_.columns[k].name == c) ci = static_cast<int>(k);
       MSRL_CHECK(ci >= 0, kNotFound, "stage '", st.name, "' reads unknown column '", c, "'");
       inputs.push_back(ci);
-      readers_[ci].push_back(static_cast<int>(s));
     }
-    controllers_.push_back(std::make_unique<Controller>(st.name, config_.capacity, G, std::move(inputs)));
+    int len_col = -1;
+    if (!st.length_column.empty()) len_col = column_index(st.length_column);
+    controllers_.push_back(std::make_unique<Controller>(st.name, config_.capacity, G, std::move(inputs), len_col));
   }
   group_allocated_.assign(groups, 0);
   // Interleave: first group of each warehouse, then the second, ...
@@ -254,15 +254,17 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
   }
   for (auto& [w, res] : reserved) warehouses_[w]->commit(res);
   for (const ColumnInput& in : inputs) {
-    for (int s : readers_[in.column]) controllers_[s]->mark_ready(in.column, rows, n);
+    // Readers get readiness; a stage balancing by this column also records its lengths.
+    for (const auto& c : controllers_) c->mark_ready(in.column, rows, n, in.lengths);
   }
 }
 
-std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch) {
+std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
+                                     int64_t max_items) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   Timer timer(claim_stats);
-  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s, epoch);
+  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s, epoch, max_items);
   timer.rows = static_cast<int64_t>(rows.size());
   return rows;
 }

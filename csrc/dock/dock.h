@@ -23,6 +23,7 @@ namespace msrl::dock {
 struct StageSpec {
   std::string name;
   std::vector<std::string> inputs;
+  std::string length_column;  // optional: balance claims by this column's row lengths
 };
 
 struct DockConfig {
@@ -72,8 +73,8 @@ class DockCore {
 
   // Claims never block reset(): a blocked claim is served by the next iteration. `epoch` receives the
   // iteration of the rows.
-  std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s,
-                             uint64_t* epoch = nullptr);
+  std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr,
+                             int64_t max_items = 0);
   uint64_t epoch() const { return epoch_.load(); }
   void release(int stage, const int64_t* rows, size_t n, int64_t epoch = -1);
 
@@ -104,8 +105,7 @@ class DockCore {
   DockConfig config_;
   std::vector<std::unique_ptr<Warehouse>> warehouses_;
   std::vector<std::unique_ptr<Controller>> controllers_;
-  std::vector<std::vector<int>> readers_;  // column -> stages reading it
-  std::vector<int> group_warehouse_;       // group -> warehouse
+  std::vector<int> group_warehouse_;  // group -> warehouse
 
   mutable std::mutex alloc_mu_;
   std::vector<uint8_t> group_allocated_;

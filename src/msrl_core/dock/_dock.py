@@ -57,6 +57,9 @@ class Dock:
     ``backend="local"`` keeps everything in this process; ``backend="ray"`` runs warehouses and
     controllers as Ray actors (``ray_address``/``ray_init`` control the Ray connection).
     ``output`` is the default tensor type of fetched data: ``"numpy"`` or ``"torch"``.
+    ``balance_by`` names a ragged column whose row lengths the controllers record, so that
+    ``claim(..., max_items=N)`` hands out whole groups FIFO up to about N items of that column
+    (length-balanced claims: workers of a stage get similar token counts, not similar row counts).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Dock:
         warehouses: int | None = None,
         backend: str = "local",
         output: str = "numpy",
+        balance_by: str | None = None,
         **backend_options: Any,
     ):
         if not columns:
@@ -87,6 +91,9 @@ class Dock:
                     )
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        if balance_by is not None and (balance_by not in columns or not columns[balance_by].ragged):
+            raise InvalidArgument(f"balance_by must name a ragged column, got {balance_by!r}")
+        self.balance_by = balance_by
         capacity, group_size = int(capacity), int(group_size)
         if group_size <= 0 or capacity <= 0 or capacity % group_size:
             raise InvalidArgument(
@@ -106,13 +113,19 @@ class Dock:
             if backend_options:
                 raise InvalidArgument(f"unknown options for the local backend: {sorted(backend_options)}")
             self._backend: Any = LocalBackend(
-                self.columns, self.stages, capacity, group_size, int(warehouses or 1)
+                self.columns, self.stages, capacity, group_size, int(warehouses or 1), balance_by
             )
         elif backend == "ray":
             from msrl_core.dock._ray import RayBackend
 
             self._backend = RayBackend(
-                self.columns, self.stages, capacity, group_size, warehouses, **backend_options
+                self.columns,
+                self.stages,
+                capacity,
+                group_size,
+                warehouses,
+                balance_by=balance_by,
+                **backend_options,
             )
         else:
             raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
@@ -173,12 +186,21 @@ class Dock:
         self._record("put", t0)
         return out
 
-    def claim(self, stage: str, max_rows: int, timeout: float = 0.0, min_rows: int | None = None) -> Claim:
+    def claim(
+        self,
+        stage: str,
+        max_rows: int,
+        timeout: float = 0.0,
+        min_rows: int | None = None,
+        max_items: int | None = None,
+    ) -> Claim:
         """Claims up to ``max_rows`` ready rows of ``stage`` (whole groups; metadata only).
 
         Waits up to ``timeout`` seconds until at least ``min_rows`` (default: one group) are ready;
         ``timeout=0`` never waits and may return an empty claim. Raises ``Timeout`` when fewer than an
         explicit ``min_rows`` are ready at the deadline. Rows go to each stage exactly once per iteration.
+        ``max_items`` (needs ``balance_by``): stop adding groups once the ``balance_by`` items would exceed
+        it (at least one group, and at least ``min_rows``).
         """
         t0 = time.perf_counter()
         sid = self._sid(stage)
@@ -186,7 +208,16 @@ class Dock:
             min_rows = 0 if timeout == 0 else self.group_size
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidArgument(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-        rows, epoch = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout))
+        items = 0
+        if max_items is not None:
+            if self.balance_by is None:
+                raise InvalidArgument(
+                    "claim(max_items=...) needs a dock created with balance_by=<ragged column>"
+                )
+            if int(max_items) <= 0:
+                raise InvalidArgument(f"max_items must be > 0, got {max_items}")
+            items = int(max_items)
+        rows, epoch = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout), items)
         self._record("claim", t0)
         return Claim(stage, rows, self._backend.warehouse_of, epoch)
 
@@ -241,11 +272,12 @@ class Dock:
         timeout: float = 0.0,
         min_rows: int | None = None,
         columns: Sequence[str] | None = None,
+        max_items: int | None = None,
         layout: str = "packed",
         output: str | None = None,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
-        meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows)
+        meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
         return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
 
     def reset(self) -> None:

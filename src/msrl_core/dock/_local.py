@@ -27,13 +27,14 @@ class LocalBackend:
         capacity: int,
         group_size: int,
         warehouses: int,
+        balance_by: str | None = None,
     ):
         groups = capacity // group_size
         rows_per_wh = -(-groups // warehouses) * group_size
         self.columns = columns
         self._core = _core.DockCore(
             column_tuples(columns, rows_per_wh),
-            [(s, list(cols)) for s, cols in stages.items()],
+            [(s, list(cols), balance_by or "") for s, cols in stages.items()],
             capacity,
             group_size,
             warehouses,
@@ -46,8 +47,10 @@ class LocalBackend:
     def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
         self._core.put(inputs, rows, epoch)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
-        return self._core.claim(stage, max_rows, min_rows, timeout)
+    def claim(
+        self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
+    ) -> tuple[np.ndarray, int]:
+        return self._core.claim(stage, max_rows, min_rows, timeout, max_items)
 
     def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
         self._core.release(stage, rows, epoch)

@@ -33,7 +33,7 @@ from msrl_core.errors import Closed, InvalidArgument, MsrlError, OutOfMemory, Ti
 try:
     import ray
 except ImportError:  # pragma: no cover - optional dependency
-    ray = None
+    ray = None  # type: ignore[assignment]
 
 _HEADER = struct.Struct("!I")
 _RPC_MARGIN_S = 30.0  # extra time allowed for an RPC beyond the wait it asks for
@@ -78,9 +78,19 @@ def _raise_reply(name: str, message: str) -> None:
 class ControllerState:
     """Per-stage native controllers and the row allocator; lives in the controller actor."""
 
-    def __init__(self, stages: list[tuple[str, list[int]]], capacity: int, group_size: int, warehouses: int):
+    def __init__(
+        self,
+        stages: list[tuple[str, list[int]]],
+        capacity: int,
+        group_size: int,
+        warehouses: int,
+        length_column: int = -1,
+    ):
         self.capacity, self.group_size = capacity, group_size
-        self.controllers = [_core.Controller(name, capacity, group_size, cols) for name, cols in stages]
+        self.length_column = length_column
+        self.controllers = [
+            _core.Controller(name, capacity, group_size, cols, length_column) for name, cols in stages
+        ]
         groups = capacity // group_size
         self.group_warehouse = np.empty(groups, dtype=np.int32)
         order: list[int] = []
@@ -151,13 +161,17 @@ class ControllerState:
         with self.lock:
             return int(self.allocated.sum()) * self.group_size
 
-    def mark_ready(self, columns: list[int], rows: np.ndarray) -> None:
+    def mark_ready(self, columns: list[int], rows: np.ndarray, lengths: np.ndarray | None = None) -> None:
+        """lengths: row lengths of the length column, when it is among `columns`."""
         for c in columns:
+            lens = lengths if c == self.length_column else None
             for ctl in self.controllers:
-                ctl.mark_ready(c, rows)
+                ctl.mark_ready(c, rows, lens)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
-        return self.controllers[stage].claim(max_rows, min_rows, timeout)
+    def claim(
+        self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
+    ) -> tuple[np.ndarray, int]:
+        return self.controllers[stage].claim(max_rows, min_rows, timeout, max_items)
 
     def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
         self.check_epoch(epoch)
@@ -406,6 +420,7 @@ class RayBackend:
         actor_cpus: float = 0.1,
         op_timeout: float = 60.0,
         fast_path: bool = True,
+        balance_by: str | None = None,
         _handles: tuple | None = None,
     ):
         if ray is None:
@@ -421,6 +436,8 @@ class RayBackend:
         self._node: str | None = None
         self._arena_maps: dict[int, list[np.ndarray]] = {}
         self._arena_lock = threading.Lock()
+        self.balance_by = balance_by
+        self.length_column = list(columns).index(balance_by) if balance_by else -1
         if _handles is not None:  # unpickled in another process
             self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse = (
                 _handles
@@ -445,7 +462,7 @@ class RayBackend:
         stage_cols = [(st, [names.index(c) for c in cols]) for st, cols in stages.items()]
         ctl_cls = ray.remote(ControllerActor)
         self.controller = ctl_cls.options(num_cpus=actor_cpus, max_concurrency=64).remote(
-            stage_cols, capacity, group_size, s
+            stage_cols, capacity, group_size, s, self.length_column
         )
         wh_cls = ray.remote(WarehouseActor)
         self.warehouses = []
@@ -476,7 +493,7 @@ class RayBackend:
         cols = self.columns
         return (
             _rebuild,
-            (cols, self.capacity, self.group_size, self.op_timeout, self.fast_path, handles),
+            (cols, self.capacity, self.group_size, self.op_timeout, self.fast_path, self.balance_by, handles),
         )
 
     # -- plumbing --
@@ -635,7 +652,7 @@ class RayBackend:
             raise
         for w, rid in reserved:
             self._wh(w, "commit", rid)
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, _lengths_of(inputs, self.length_column))
 
     def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
         """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
@@ -708,7 +725,7 @@ class RayBackend:
             for w, pos in ok:
                 self._get(self.warehouses[w].erase.remote(cids, rows[pos]), f"warehouse {w}")
             raise errors[0]
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, _lengths_of(inputs, self.length_column))
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         rows = self._ctl("allocate", n)
@@ -723,8 +740,10 @@ class RayBackend:
         self._ctl("check_allocated", rows, epoch)
         self._put_rows(inputs, rows, epoch)
 
-    def claim(self, stage: int, max_rows: int, min_rows: int, timeout: float) -> tuple[np.ndarray, int]:
-        rows, epoch = self._ctl("claim", stage, max_rows, min_rows, timeout, wait=timeout)
+    def claim(
+        self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
+    ) -> tuple[np.ndarray, int]:
+        rows, epoch = self._ctl("claim", stage, max_rows, min_rows, timeout, max_items, wait=timeout)
         # Order by warehouse (groups stay whole) so a fetch concatenates warehouse answers directly.
         wh = self.warehouse_of(rows)
         if len(wh) and (np.diff(wh) < 0).any():
@@ -816,12 +835,27 @@ class RayBackend:
             ray.kill(h)
 
 
+def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:
+    for cid, _, lengths in inputs:
+        if cid == column:
+            return lengths
+    return None
+
+
 def _close_all(socks: list[socket.socket]) -> None:
     while socks:
         socks.pop().close()
 
 
-def _rebuild(columns, capacity, group_size, op_timeout, fast_path, handles) -> RayBackend:
+def _rebuild(columns, capacity, group_size, op_timeout, fast_path, balance_by, handles) -> RayBackend:
     return RayBackend(
-        columns, {}, capacity, group_size, None, op_timeout=op_timeout, fast_path=fast_path, _handles=handles
+        columns,
+        {},
+        capacity,
+        group_size,
+        None,
+        op_timeout=op_timeout,
+        fast_path=fast_path,
+        balance_by=balance_by,
+        _handles=handles,
     )
