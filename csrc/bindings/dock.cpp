@@ -259,7 +259,6 @@ void bind_dock(py::module_& m) {
           "reserve",
           [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
             // [(column, lengths | None)] -> reservations, all or none.
-            std::vector<std::pair<int, I64Array>> parsed;
             std::vector<int> ids;
             std::vector<const int64_t*> lens;
             std::vector<I64Array> keep;

@@ -17,6 +17,7 @@ import os
 import pickle
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import uuid
@@ -212,7 +213,13 @@ class ControllerState:
 def serve_unix(ops: dict[str, Any], tag: str, fd_ops: dict[str, Any] | None = None) -> str:
     """Serves `ops` on a new Unix socket, one thread per connection (blocked in recv, never polling).
     `fd_ops` answer with file descriptors attached (SCM_RIGHTS)."""
-    path = os.path.join(tempfile.gettempdir(), f"msrl-dock-{tag}-{uuid.uuid4().hex[:12]}.sock")
+    # Linux abstract namespace: no file to leak when the actor is killed; elsewhere a file in tmp.
+    name = f"msrl-dock-{tag}-{uuid.uuid4().hex[:12]}"
+    path = (
+        "\0" + name
+        if sys.platform.startswith("linux")
+        else os.path.join(tempfile.gettempdir(), name + ".sock")
+    )
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(256)
