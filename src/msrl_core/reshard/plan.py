@@ -65,6 +65,7 @@ class ReshardPlan:
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
         self._native: dict[tuple[int, int], list[Any]] = {}
         self.mirrors: dict[str, Any] = {}  # persistent pinned host mirrors, by parameter name (see swap.py)
+        self._active: Any = None  # the Swap not yet swapped back
 
     def __repr__(self) -> str:
         return f"ReshardPlan({self.cfg.arch}, train={self.train}, infer={self.infer}, layout={self.layout!r})"
