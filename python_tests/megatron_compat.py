@@ -32,6 +32,7 @@ def patch() -> None:
     c.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     c.manual_seed = lambda seed: torch.manual_seed(seed)
     c.device_count = lambda: 0
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied-embedding setup moves weights with .cuda()
     c.nvtx = type("nvtx", (), {"range_push": staticmethod(lambda *a: None), "range_pop": staticmethod(lambda: None),
                                "range": staticmethod(lambda *a, **k: contextlib.nullcontext())})
     import functools
@@ -50,3 +51,11 @@ def patch() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute", "fused_unpermute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
+        if not hasattr(moe_utils, name):  # megatron-core 0.16.1 leaves these undefined without TE
+            setattr(moe_utils, name, None)

@@ -170,7 +170,7 @@ def _build_megatron(cfg, tp: int, pp: int, ep: int):
             moe_router_topk=2,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",
+            moe_token_dispatcher_type="allgather",
             moe_router_pre_softmax=False,
             moe_grouped_gemm=False,
             expert_model_parallel_size=ep,
