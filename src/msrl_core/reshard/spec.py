@@ -93,6 +93,7 @@ def check_infer(cfg: ModelConfig, infer: Parallel) -> None:
             f"num_key_value_heads={ng} and inference tp={t}: one must divide the other (vLLM QKVParallelLinear)"
         )
     _divide(cfg.intermediate_size, t, f"intermediate_size vs inference tp={t}")
+    _divide(vllm_padded_vocab(cfg.vocab_size), t, f"vLLM-padded vocab (multiple of 64) vs inference tp={t}")
     if cfg.is_moe:
         if infer.ep not in (1, t):
             raise ReshardError(f"inference ep must be 1 or equal to inference tp ({t}), got {infer.ep}")
