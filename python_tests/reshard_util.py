@@ -37,8 +37,8 @@ def gathered_bucket(plan: ReshardPlan, b, shards: dict, tp_rank: int = 0, ep_ran
     buf = np.zeros(b.gathered_bytes, dtype=np.uint8)
     for m in range(b.members):
         key = (b.stage, m, ep_rank) if b.group == "tp" else (b.stage, tp_rank, m)
-        for name, _, off, nb in b.params:
-            t = shards[key][name].contiguous()
+        for name, shape, off, nb, r0, r1 in b.params:
+            t = shards[key][name].contiguous().view(shape[0], -1)[r0:r1]
             base = m * b.local_bytes + off
             buf[base : base + nb] = t.view(torch.uint8).reshape(-1).numpy()
     return buf

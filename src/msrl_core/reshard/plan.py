@@ -32,7 +32,8 @@ class Bucket:
     stage: int
     group: str  # "tp" | "ep"
     members: int
-    params: list[tuple[str, tuple[int, ...], int, int]] = field(default_factory=list)  # name, shape, offset, nbytes
+    # (name, local shape, byte offset, nbytes, first row, end row): a row chunk of a parameter
+    params: list[tuple[str, tuple[int, ...], int, int, int, int]] = field(default_factory=list)
     local_bytes: int = 0
 
     @property
@@ -41,7 +42,7 @@ class Bucket:
 
     @property
     def names(self) -> list[str]:
-        return [p[0] for p in self.params]
+        return list(dict.fromkeys(p[0] for p in self.params))
 
 
 class ReshardPlan:
@@ -104,7 +105,9 @@ class ReshardPlan:
 
     # -- buckets ---------------------------------------------------------------------------------
     def buckets(self, bucket_bytes: int) -> list[Bucket]:
-        """All buckets of all stages in the global order every rank walks (stage-major)."""
+        """All buckets of all stages in the global order every rank walks (stage-major). A parameter larger
+        than ``bucket_bytes`` is split into row chunks, so the gather scratch stays ``members * bucket_bytes``
+        (a single row larger than the bucket is the only exception)."""
         if bucket_bytes <= 0:
             raise ReshardError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if bucket_bytes in self._buckets:
@@ -117,12 +120,17 @@ class ReshardPlan:
                 for name, shape, grp in params:
                     if grp != g:
                         continue
-                    nb = int(np.prod(shape)) * self.itemsize
-                    if cur is None or (cur.params and cur.local_bytes + nb > bucket_bytes):
-                        cur = Bucket(len(out), s, g, sizes[g])
-                        out.append(cur)
-                    cur.params.append((name, shape, cur.local_bytes, nb))
-                    cur.local_bytes = _align(cur.local_bytes + nb)
+                    rows = shape[0]
+                    row_bytes = int(np.prod(shape[1:])) * self.itemsize
+                    step = max(1, bucket_bytes // row_bytes)
+                    for r0 in range(0, rows, step):
+                        r1 = min(rows, r0 + step)
+                        nb = (r1 - r0) * row_bytes
+                        if cur is None or (cur.params and cur.local_bytes + nb > bucket_bytes):
+                            cur = Bucket(len(out), s, g, sizes[g])
+                            out.append(cur)
+                        cur.params.append((name, shape, cur.local_bytes, nb, r0, r1))
+                        cur.local_bytes = _align(cur.local_bytes + nb)
         self._buckets[bucket_bytes] = out
         return out
 
@@ -134,35 +142,34 @@ class ReshardPlan:
         if key in self._descs:
             return self._descs[key]
         buckets = self.buckets(bucket_bytes)
-        where: dict[tuple[int, str], tuple[Bucket, int]] = {}
+        chunks: dict[tuple[int, str], list[tuple[int, int, int, int]]] = {}
         for b in buckets:
-            for name, _, off, _ in b.params:
-                where[(b.stage, name)] = (b, off)
+            for name, _, off, _, r0, _ in b.params:
+                chunks.setdefault((b.stage, name), []).append((r0, b.index, off, b.local_bytes))
+        where = {k: np.asarray(v, dtype=np.int64) for k, v in chunks.items()}  # rows: r0, bucket, off, member_bytes
         layout, _ = self.infer_layout(infer_rank)
         es = self.itemsize
         per_bucket: list[list[np.ndarray]] = [[] for _ in buckets]
         for t in self.targets(infer_rank):
             toff, _ = layout[t.name]
-            tcols = t.cols
             for pc in t.pieces:
                 if pc.nrows == 0:
                     continue
-                hf = self.hf[pc.hf]
-                src = hf.src
-                b, poff = where[(src.stage, src.param)]
-                lrows, lcols = src.local_shape
-                base = poff  # + member * b.local_bytes
+                src = self.hf[pc.hf].src
+                ch = where[(src.stage, src.param)]
+                lcols = src.local_shape[1]
+                rows = np.arange(pc.row0, pc.row0 + pc.nrows, dtype=np.int64)
                 if src.mode == "cols":
-                    d = _cols_descs(pc, lcols, b.local_bytes, base, toff, tcols, es)
+                    d = _cols_descs(pc, rows, lcols, ch, toff, t.cols, es)
                 else:
-                    rows = np.arange(pc.row0, pc.row0 + pc.nrows, dtype=np.int64)
                     if src.mode == "whole":
                         member, lrow = np.full_like(rows, src.member), rows
                     else:
                         assert src.row_map is not None
                         member, lrow = src.row_map(rows)
-                    d = _rows_descs(pc, member, lrow, lcols, b.local_bytes, base, toff, tcols, es)
-                per_bucket[b.index].append(d)
+                    d = _rows_descs(pc, member, lrow, lcols, ch, toff, t.cols, es)
+                for bi in np.unique(d[:, 6]):
+                    per_bucket[int(bi)].append(d[d[:, 6] == bi, :6])
         out = [np.concatenate(x) if x else np.zeros((0, 6), np.int64) for x in per_bucket]
         self._descs[key] = out
         return out
@@ -178,31 +185,40 @@ class ReshardPlan:
         return self._native[key]
 
 
-def _rows_descs(pc, member, lrow, lcols, member_bytes, base, toff, tcols, es) -> np.ndarray:
+def _rows_descs(pc, member, lrow, lcols, ch, toff, tcols, es) -> np.ndarray:
+    """Runs of consecutive local rows on one member inside one chunk -> descriptors (+ bucket column)."""
     n = len(lrow)
-    brk = np.flatnonzero((np.diff(member) != 0) | (np.diff(lrow) != 1)) + 1
+    ci = np.searchsorted(ch[:, 0], lrow, side="right") - 1
+    brk = np.flatnonzero((np.diff(member) != 0) | (np.diff(lrow) != 1) | (np.diff(ci) != 0)) + 1
     starts = np.concatenate(([0], brk))
     lens = np.diff(np.concatenate((starts, [n])))
-    m, r0 = member[starts], lrow[starts]
-    src = m * member_bytes + base + (r0 * lcols + pc.col0) * es
+    m, r0, c = member[starts], lrow[starts], ci[starts]
+    src = m * ch[c, 3] + ch[c, 2] + ((r0 - ch[c, 0]) * lcols + pc.col0) * es
     dst = toff + ((pc.dst_row + starts) * tcols + pc.dst_col) * es
     k = len(starts)
     return np.stack(
-        [src, dst, lens, np.full(k, pc.ncols * es), np.full(k, lcols * es), np.full(k, tcols * es)], axis=1
+        [src, dst, lens, np.full(k, pc.ncols * es), np.full(k, lcols * es), np.full(k, tcols * es), ch[c, 1]],
+        axis=1,
     ).astype(np.int64)
 
 
-def _cols_descs(pc, lcols, member_bytes, base, toff, tcols, es) -> np.ndarray:
-    rows_out = []
-    c, end = pc.col0, pc.col0 + pc.ncols
-    while c < end:
-        m, lc = divmod(c, lcols)
-        seg = min(end - c, lcols - lc)
-        src = m * member_bytes + base + (pc.row0 * lcols + lc) * es
-        dst = toff + (pc.dst_row * tcols + pc.dst_col + (c - pc.col0)) * es
-        rows_out.append([src, dst, pc.nrows, seg * es, lcols * es, tcols * es])
-        c += seg
-    return np.asarray(rows_out, dtype=np.int64)
+def _cols_descs(pc, rows, lcols, ch, toff, tcols, es) -> np.ndarray:
+    """Row-parallel source: columns split over members; rows split by chunk."""
+    out = []
+    ci = np.searchsorted(ch[:, 0], rows, side="right") - 1
+    brk = np.flatnonzero(np.diff(ci) != 0) + 1
+    for seg_rows in np.split(np.arange(len(rows)), brk):
+        r_first, nrows = int(rows[seg_rows[0]]), len(seg_rows)
+        r0c, bidx, off, mbytes = (int(x) for x in ch[ci[seg_rows[0]]])
+        c, end = pc.col0, pc.col0 + pc.ncols
+        while c < end:
+            m, lc = divmod(c, lcols)
+            seg = min(end - c, lcols - lc)
+            src = m * mbytes + off + ((r_first - r0c) * lcols + lc) * es
+            dst = toff + ((pc.dst_row + seg_rows[0]) * tcols + pc.dst_col + (c - pc.col0)) * es
+            out.append([src, dst, nrows, seg * es, lcols * es, tcols * es, bidx])
+            c += seg
+    return np.asarray(out, dtype=np.int64)
 
 
 def execute_numpy(descs: np.ndarray, dst: np.ndarray, src: np.ndarray) -> None:

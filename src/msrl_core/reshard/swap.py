@@ -301,8 +301,9 @@ def allgather_swap(
                     gathered = scratch[:gb]
                 else:
                     send = gathered = scratch[:gb]
-                dst_views = [send[off : off + nb].view(params[name].dtype) for name, _, off, nb in b.params]
-                torch._foreach_copy_(dst_views, [params[name].reshape(-1) for name, _, _, _ in b.params])
+                dst_views = [send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params]
+                srcs = [params[name].view(shape[0], -1)[r0:r1].reshape(-1) for name, shape, _, _, r0, r1 in b.params]
+                torch._foreach_copy_(dst_views, srcs)
                 if b.members > 1:
                     dist.all_gather_into_tensor(gathered, send, group=groups[b.group])
                     gathered_total += gb - b.local_bytes
