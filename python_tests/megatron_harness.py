@@ -137,6 +137,10 @@ def load_hf(model, cfg, tensors: dict) -> None:
             sd[h + "down_proj"] = torch.stack([sd.pop(h + f"{e}.down_proj.weight") for e in range(E)])
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    # Llama's attention_bias also adds an o_proj bias, which Megatron's add_qkv_bias does not have: zero it
+    for m in [m for m in missing if m.endswith("self_attn.o_proj.bias")]:
+        model.get_parameter(m).data.zero_()
+        missing.remove(m)
     assert not missing and not unexpected, (missing, unexpected)
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
