@@ -108,14 +108,17 @@ void bind_copy(py::module_& m) {
           py::arg("timeout") = 60.0);
 
   py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
-      .def(py::init([](const std::shared_ptr<PyRuntime>& runtime, int64_t chunk_bytes, bool force_bounce) {
+      .def(py::init([](const std::shared_ptr<PyRuntime>& runtime, int64_t chunk_bytes, bool force_bounce,
+                       int device) {
              MSRL_CHECK(runtime != nullptr, kInvalidArgument, "runtime is None");
              EngineOptions o;
              o.chunk_bytes = checked_size(chunk_bytes, "chunk_bytes");
              o.force_bounce = force_bounce;
+             o.device = device;
              return std::make_shared<CopyEngine>(runtime->rt, o);
            }),
-           py::arg("runtime"), py::arg("chunk_bytes") = 8 << 20, py::arg("force_bounce") = false)
+           py::arg("runtime"), py::arg("chunk_bytes") = 8 << 20, py::arg("force_bounce") = false,
+           py::arg("device") = 0)
       .def(
           "copy",
           [](const std::shared_ptr<CopyEngine>& e, const py::int_& dst, const py::int_& src, int64_t nbytes,

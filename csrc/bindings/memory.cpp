@@ -66,7 +66,7 @@ void bind_memory(py::module_& m) {
                                {static_cast<py::ssize_t>(b.size())}, {1});
       });
 
-  py::class_<PyRegistration>(m, "Registration")
+  py::class_<PyRegistration>(m, "Registration", py::dynamic_attr())
       .def_property_readonly("ptr", [](const PyRegistration& r) { return reinterpret_cast<uintptr_t>(r.get().data()); })
       .def_property_readonly("nbytes", [](const PyRegistration& r) { return r.get().size(); })
       .def_property_readonly("active", [](const PyRegistration& r) { return r.reg != nullptr; })

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <future>
 
 #include "common/error.h"
 #include "common/thread_pool.h"
@@ -49,10 +50,41 @@ struct CopyEngine::Lane {
     std::function<void(Lane&)> issue;
   };
 
-  Lane(CopyEngine* engine, std::shared_ptr<DeviceRuntime> rt) : engine(engine), rt(std::move(rt)) {
-    stream = this->rt->stream_create();
-    issuer = std::thread([this] { issue_loop(); });
-    completer = std::thread([this] { complete_loop(); });
+  // The vendor device (CUDA) or context (ACL) is per thread: each lane thread binds `device` first, and
+  // the stream is created on the issuing thread so that it belongs to that device.
+  Lane(CopyEngine* engine, std::shared_ptr<DeviceRuntime> rt, int device)
+      : engine(engine), rt(std::move(rt)), device(device) {
+    std::promise<void> ready;
+    auto started = ready.get_future();
+    issuer = std::thread([this, &ready] {
+      try {
+        bind_device();
+        stream = this->rt->stream_create();
+        ready.set_value();
+      } catch (...) {
+        ready.set_exception(std::current_exception());
+        return;
+      }
+      issue_loop();
+    });
+    try {
+      started.get();
+    } catch (...) {
+      issuer.join();
+      throw;
+    }
+    completer = std::thread([this] {
+      try {
+        bind_device();
+      } catch (const Error&) {
+        // event_synchronize below then fails, and the tickets carry that error.
+      }
+      complete_loop();
+    });
+  }
+
+  void bind_device() {
+    if (!rt->device_is_host()) rt->set_device(device);
   }
 
   ~Lane() {
@@ -147,6 +179,7 @@ struct CopyEngine::Lane {
 
   CopyEngine* engine;
   std::shared_ptr<DeviceRuntime> rt;
+  int device;
   Stream stream = nullptr;
   std::mutex mu;
   std::condition_variable cv;
@@ -164,6 +197,7 @@ struct CopyEngine::Lane {
 CopyEngine::CopyEngine(std::shared_ptr<DeviceRuntime> runtime, EngineOptions options)
     : rt_(std::move(runtime)), options_(options), id_(g_next_engine_id++) {
   MSRL_CHECK(rt_ != nullptr, kInvalidArgument, "runtime is null");
+  MSRL_CHECK(options_.device >= 0, kInvalidArgument, "device index must be >= 0, got ", options_.device);
   MSRL_CHECK(options_.chunk_bytes >= 4096 && options_.chunk_bytes <= (size_t{1} << 32), kInvalidArgument,
              "chunk_bytes must be in [4096, 2^32], got ", options_.chunk_bytes);
 }
@@ -176,7 +210,7 @@ CopyEngine::Lane& CopyEngine::lane_for(CopyKind kind) const {
   int index = kind == CopyKind::kDeviceToHost ? 1 : kind == CopyKind::kDeviceToDevice ? 2 : 0;
   std::lock_guard<std::mutex> lock(mu_);
   auto& lane = const_cast<std::unique_ptr<Lane>&>(lanes_[index]);
-  if (!lane) lane = std::make_unique<Lane>(const_cast<CopyEngine*>(this), rt_);
+  if (!lane) lane = std::make_unique<Lane>(const_cast<CopyEngine*>(this), rt_, options_.device);
   return *lane;
 }
 
@@ -211,6 +245,11 @@ std::shared_ptr<Ticket> CopyEngine::submit(CopyKind kind, uint64_t bytes, Stream
 }
 
 void CopyEngine::finish(Ticket& ticket, std::exception_ptr error) {
+  // Stats first, so a caller woken by the ticket sees them already counted.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++(error ? stats_.failed : stats_.completed);
+  }
   {
     std::lock_guard<std::mutex> lock(ticket.mu_);
     ticket.done_ = true;
@@ -218,10 +257,6 @@ void CopyEngine::finish(Ticket& ticket, std::exception_ptr error) {
     ticket.finished_ = Clock::now();
   }
   ticket.cv_.notify_all();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++(error ? stats_.failed : stats_.completed);
-  }
   idle_cv_.notify_all();
 }
 

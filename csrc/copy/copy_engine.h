@@ -49,6 +49,7 @@ class Ticket {
 struct EngineOptions {
   size_t chunk_bytes = 8u << 20;  // bounce-buffer chunk for pageable memory
   bool force_bounce = false;      // stage pageable copies even on the host backend (tests)
+  int device = 0;                 // device index the engine's threads bind to
 };
 
 struct EngineStats {

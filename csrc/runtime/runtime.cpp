@@ -74,8 +74,9 @@ std::vector<BackendInfo> probe_backends() {
     info.name = name;
     try {
       auto rt = load_locked(name);
-      info.available = true;
-      info.detail = std::string(rt->name()) + ", " + std::to_string(rt->device_count()) + " device(s)";
+      int devices = rt->device_count();
+      info.available = devices > 0;
+      info.detail = std::string(rt->name()) + " runtime loaded, " + std::to_string(devices) + " device(s)";
     } catch (const Error& e) {
       info.available = false;
       info.detail = e.message();
@@ -88,7 +89,11 @@ std::vector<BackendInfo> probe_backends() {
 std::shared_ptr<DeviceRuntime> get_runtime(const std::string& device) {
   std::string name = canonical(device);
   std::lock_guard<std::mutex> lock(g_mu);
-  if (name != "auto") return load_locked(name);
+  if (name != "auto") {
+    auto rt = load_locked(name);
+    MSRL_CHECK(rt->device_count() > 0, kUnavailable, name, " runtime loaded but it sees no device; use MSRL_DEVICE=host");
+    return rt;
+  }
   for (const char* candidate : {"cuda", "acl"}) {
     try {
       auto rt = load_locked(candidate);

@@ -25,7 +25,9 @@ class Region:
 
 def _torch_region(t: Any, name: str, writable: bool) -> Region:
     if not t.is_contiguous():
-        raise InvalidArgument(f"{name}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous()")
+        raise InvalidArgument(
+            f"{name}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous()"
+        )
     nbytes = t.numel() * t.element_size()
     on_device = t.device.type != "cpu"
     pinned = False
@@ -52,7 +54,8 @@ def region(obj: Any, name: str = "buffer", writable: bool = False) -> Region:
             arr = np.frombuffer(memoryview(obj), dtype=np.uint8)
         except TypeError:
             raise InvalidArgument(
-                f"{name}: {type(obj).__name__} is not a buffer; pass a torch tensor, numpy array or PinnedBuffer"
+                f"{name}: {type(obj).__name__} is not a buffer; "
+                "pass a torch tensor, numpy array or PinnedBuffer"
             ) from None
     if not arr.flags.c_contiguous:
         raise InvalidArgument(f"{name}: numpy array of shape {arr.shape} is not C-contiguous")

@@ -25,7 +25,12 @@ _KINDS = ("h2h", "h2d", "d2h", "d2d")
 
 
 def descriptors(
-    src_offset: Any, dst_offset: Any, row_bytes: Any, rows: Any = 1, src_pitch: Any = None, dst_pitch: Any = None
+    src_offset: Any,
+    dst_offset: Any,
+    row_bytes: Any,
+    rows: Any = 1,
+    src_pitch: Any = None,
+    dst_pitch: Any = None,
 ) -> np.ndarray:
     """Build an ``(N, 6)`` int64 descriptor array from scalars or equal-length arrays (broadcast).
 
@@ -53,7 +58,23 @@ def _stream_arg(stream: Any) -> Any:
     for attr in ("cuda_stream", "npu_stream"):
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
-    raise InvalidArgument(f"stream: expected None, an int handle or a stream object, got {type(stream).__name__}")
+    raise InvalidArgument(
+        f"stream: expected None, an int handle or a stream object, got {type(stream).__name__}"
+    )
+
+
+def _current_device_index(backend: str) -> int:
+    """The caller's current device (torch's notion), so the engine's threads use the same one."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    if backend == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    npu = getattr(torch, "npu", None)
+    if backend == "acl" and npu is not None and npu.is_available():
+        return int(npu.current_device())
+    return 0
 
 
 class CopyEngine:
@@ -71,25 +92,37 @@ class CopyEngine:
     True
     """
 
-    def __init__(self, device: str | None = None, chunk_bytes: int = 8 << 20, force_bounce: bool = False) -> None:
+    def __init__(
+        self, device: str | None = None, chunk_bytes: int = 8 << 20, force_bounce: bool = False
+    ) -> None:
         self.runtime = get_runtime(device)
         self._engine = _core.CopyEngine(self.runtime, chunk_bytes, force_bounce)
         self._keep: deque[tuple[Any, ...]] = deque()
 
-    def copy(self, dst: Any, src: Any, nbytes: int | None = None, kind: str | None = None, after: Any = None) -> Ticket:
+    def copy(
+        self, dst: Any, src: Any, nbytes: int | None = None, kind: str | None = None, after: Any = None
+    ) -> Ticket:
         s, d = region(src, "src"), region(dst, "dst", writable=True)
         n = s.nbytes if nbytes is None else nbytes
         if nbytes is None and s.nbytes != d.nbytes:
-            raise InvalidArgument(f"src has {s.nbytes} bytes but dst has {d.nbytes}; pass nbytes to copy a prefix")
+            raise InvalidArgument(
+                f"src has {s.nbytes} bytes but dst has {d.nbytes}; pass nbytes to copy a prefix"
+            )
         if n < 0 or n > s.nbytes or n > d.nbytes:
             raise InvalidArgument(f"nbytes={n} is outside [0, min(src {s.nbytes}, dst {d.nbytes})]")
         return self._hold(self._engine.copy(d.ptr, s.ptr, n, _kind(s, d, kind), _stream_arg(after)), s, d)
 
-    def execute(self, plan: CopyPlan, dst: Any, src: Any, kind: str | None = None, after: Any = None) -> Ticket:
+    def execute(
+        self, plan: CopyPlan, dst: Any, src: Any, kind: str | None = None, after: Any = None
+    ) -> Ticket:
         s, d = region(src, "src"), region(dst, "dst", writable=True)
         if s.nbytes == 0 or d.nbytes == 0:
-            raise InvalidArgument(f"plan source ({s.nbytes} bytes) and destination ({d.nbytes} bytes) must be non-empty")
-        t = self._engine.execute(plan, d.ptr, d.nbytes, s.ptr, s.nbytes, _kind(s, d, kind), _stream_arg(after))
+            raise InvalidArgument(
+                f"plan source ({s.nbytes} bytes) and destination ({d.nbytes} bytes) must be non-empty"
+            )
+        t = self._engine.execute(
+            plan, d.ptr, d.nbytes, s.ptr, s.nbytes, _kind(s, d, kind), _stream_arg(after)
+        )
         return self._hold(t, s, d)
 
     def _hold(self, ticket: Ticket, *regions: Region) -> Ticket:

@@ -40,7 +40,7 @@ class PinnedPool:
         if r.nbytes == 0:
             raise InvalidArgument("register: buffer is empty (0 bytes)")
         reg = self._pool.register(r.ptr, r.nbytes)
-        reg._owner = r.owner if hasattr(reg, "__dict__") else None
+        reg.owner = r.owner  # the memory must outlive its registration
         return reg
 
     def stats(self) -> dict[str, int]:

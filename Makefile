@@ -1,0 +1,69 @@
+# One entry point for people and CI. `make demo` sets up and runs the main job; `make test` sets up and
+# runs every test. Both work on a fresh Debian machine with Python 3.11 (root for apt-get).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+JOBS ?= 2
+PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
+
+.PHONY: setup apt venv install build-tests build-asan build-bench cpp-test cpp-asan py-test lint bench demo test clean
+
+setup: apt install
+
+apt:
+	@if ! [ -f /usr/include/gtest/gtest.h ] || ! [ -f /usr/include/benchmark/benchmark.h ]; then \
+	  apt-get update -qq && apt-get install -y -qq libgtest-dev libbenchmark-dev >/dev/null; fi
+
+venv:
+	@[ -x $(VPY) ] || $(PY) -m venv --system-site-packages $(VENV)
+	# The torch pin goes first: any unpinned torch requirement would pull a multi-GB CUDA build.
+	$(VPY) -m pip install -q "$(TORCH_PIN)"
+	$(VPY) -m pip install -q -r requirements/dev.txt
+
+install: venv
+	$(VPY) -m pip install -q --no-build-isolation .
+
+build-tests: apt venv
+	cmake -S . -B build/tests -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMSRL_BUILD_PYTHON=OFF \
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_WERROR=ON >/dev/null
+	cmake --build build/tests -j $(JOBS)
+
+build-asan: apt venv
+	cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMSRL_BUILD_PYTHON=OFF \
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_SANITIZE=ON >/dev/null
+	cmake --build build/asan -j $(JOBS)
+
+build-bench: venv
+	cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSRL_BUILD_PYTHON=OFF -DMSRL_BUILD_BENCH=ON >/dev/null
+	cmake --build build/bench -j $(JOBS) --target msrl_bandwidth
+
+cpp-test: build-tests
+	ctest --test-dir build/tests --output-on-failure -j $(JOBS)
+
+cpp-asan: build-asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --test-dir build/asan --output-on-failure -j $(JOBS)
+
+lint: venv
+	$(VPY) -m ruff check src python_tests bench examples
+	$(VPY) -m ruff format --check src python_tests bench examples
+	$(VPY) -m mypy
+
+py-test: install
+	$(VPY) -m pytest python_tests
+
+bench: build-bench install
+	build/bench/bench/msrl_bandwidth
+	$(VPY) bench/copy_bench.py
+
+demo: setup build-bench
+	build/bench/bench/msrl_bandwidth --reps 5
+	$(VPY) examples/core_demo.py
+
+test: setup lint cpp-test cpp-asan py-test
+
+clean:
+	rm -rf build dist $(VENV)

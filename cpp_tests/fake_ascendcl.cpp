@@ -1,0 +1,207 @@
+// A fake libascendcl for the tests: exports exactly the functions in MSRL_ACL_SYMBOLS and
+// MSRL_ACL_OPTIONAL_SYMBOLS (checked at compile time below), backed by host memory (fake_device.h), plus
+// the control functions of FAKE_DEFINE_CONTROLS with the prefix fake_ascendcl. Never installed.
+#include <type_traits>
+
+#include "../csrc/runtime/acl_abi.h"
+#include "fake_device.h"
+
+using namespace msrl::aclabi;
+
+namespace {
+fake::Device g_dev;
+constexpr aclError kInvalidParam = ACL_ERROR_INVALID_PARAM;
+constexpr aclError kBadHandle = 107000;   // ACL_ERROR_RT_PARAM_INVALID
+constexpr aclError kWouldBlock = 507000;  // a held stream: the call would never return
+constexpr aclError kNotRegistered = 107000;
+}  // namespace
+
+FAKE_DEFINE_CONTROLS(fake_ascendcl, g_dev)
+
+#define ENTER(fn)                              \
+  std::lock_guard<std::mutex> lock_(g_dev.mu); \
+  if (int injected_ = g_dev.enter(#fn)) return injected_
+
+extern "C" {
+
+aclError aclInit(const char*) {
+  ENTER(aclInit);
+  if (g_dev.initialized) return ACL_ERROR_REPEAT_INITIALIZE;
+  g_dev.initialized = true;
+  return ACL_SUCCESS;
+}
+
+// Read-and-clear, per the AscendCL reference. The pointer stays valid until the next call.
+const char* aclGetRecentErrMsg() {
+  std::lock_guard<std::mutex> lock(g_dev.mu);
+  thread_local std::string msg;
+  msg = g_dev.last_error;
+  g_dev.last_error.clear();
+  return msg.empty() ? nullptr : msg.c_str();
+}
+
+aclError aclrtGetDeviceCount(uint32_t* count) {
+  ENTER(aclrtGetDeviceCount);
+  if (count == nullptr) return kInvalidParam;
+  *count = static_cast<uint32_t>(g_dev.device_count);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtSetDevice(int32_t device) {
+  ENTER(aclrtSetDevice);
+  return device >= 0 && device < g_dev.device_count ? ACL_SUCCESS : ACL_ERROR_RT_INVALID_DEVICEID;
+}
+
+aclError aclrtMallocHost(void** ptr, size_t size) {
+  ENTER(aclrtMallocHost);
+  if (ptr == nullptr || size == 0) return kInvalidParam;
+  *ptr = g_dev.alloc_host(size);
+  return *ptr != nullptr ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+}
+
+aclError aclrtFreeHost(void* ptr) {
+  ENTER(aclrtFreeHost);
+  return g_dev.free_host(ptr) ? ACL_SUCCESS : kInvalidParam;
+}
+
+aclError aclrtMalloc(void** ptr, size_t size, aclrtMemMallocPolicy) {
+  ENTER(aclrtMalloc);
+  if (ptr == nullptr || size == 0) return kInvalidParam;
+  *ptr = g_dev.alloc_device(size);
+  return *ptr != nullptr ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+}
+
+aclError aclrtFree(void* ptr) {
+  ENTER(aclrtFree);
+  return g_dev.free_device(ptr) ? ACL_SUCCESS : kInvalidParam;
+}
+
+aclError aclrtHostRegisterV2(void* ptr, uint64_t size, uint32_t flag) {
+  ENTER(aclrtHostRegisterV2);
+  if (ptr == nullptr || size == 0 || (flag & ~(ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED)) != 0) return kInvalidParam;
+  return g_dev.register_range(ptr, size) == 0 ? ACL_SUCCESS : kInvalidParam;
+}
+
+aclError aclrtHostRegister(void* ptr, uint64_t size, aclrtHostRegisterType, void** devPtr) {
+  ENTER(aclrtHostRegister);
+  if (ptr == nullptr || size == 0 || devPtr == nullptr) return kInvalidParam;
+  if (g_dev.register_range(ptr, size) != 0) return kInvalidParam;
+  *devPtr = ptr;
+  return ACL_SUCCESS;
+}
+
+aclError aclrtHostUnregister(void* ptr) {
+  ENTER(aclrtHostUnregister);
+  return g_dev.unregister_range(ptr) ? ACL_SUCCESS : kNotRegistered;
+}
+
+aclError aclrtCreateStream(aclrtStream* stream) {
+  ENTER(aclrtCreateStream);
+  if (stream == nullptr) return kInvalidParam;
+  *stream = g_dev.new_stream();
+  return ACL_SUCCESS;
+}
+
+aclError aclrtDestroyStream(aclrtStream stream) {
+  ENTER(aclrtDestroyStream);
+  if (stream == nullptr || !g_dev.valid_stream(stream)) return kBadHandle;
+  g_dev.destroy_stream(stream);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtSynchronizeStream(aclrtStream stream) {
+  ENTER(aclrtSynchronizeStream);
+  if (!g_dev.valid_stream(stream)) return kBadHandle;
+  return g_dev.idle(stream) ? ACL_SUCCESS : kWouldBlock;
+}
+
+aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
+  ENTER(aclrtStreamWaitEvent);
+  fake::Event* ev = g_dev.event(event);
+  if (!g_dev.valid_stream(stream) || ev == nullptr) return kBadHandle;
+  g_dev.wait(stream, ev);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind,
+                          aclrtStream stream) {
+  ENTER(aclrtMemcpyAsync);
+  if (dst == nullptr || src == nullptr || count == 0 || count > destMax || !g_dev.valid_stream(stream)) {
+    return kInvalidParam;
+  }
+  if (!g_dev.kind_matches(kind, dst, count, src, count, count, 1)) return kInvalidParam;
+  g_dev.copy2d(dst, count, src, count, count, 1, stream);
+  return ACL_SUCCESS;
+}
+
+// As documented: host<->device only, width <= 5,000,000 and <= both pitches, height <= 5 * 2^20.
+aclError aclrtMemcpy2dAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                            aclrtMemcpyKind kind, aclrtStream stream) {
+  ENTER(aclrtMemcpy2dAsync);
+  if (dst == nullptr || src == nullptr || width == 0 || height == 0 || width > dpitch || width > spitch ||
+      width > kAclMemcpy2dMaxWidth || height > kAclMemcpy2dMaxHeight || !g_dev.valid_stream(stream) ||
+      (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)) {
+    return kInvalidParam;
+  }
+  if (!g_dev.kind_matches(kind, dst, dpitch, src, spitch, width, height)) return kInvalidParam;
+  g_dev.copy2d(dst, dpitch, src, spitch, width, height, stream);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtCreateEvent(aclrtEvent* event) {
+  ENTER(aclrtCreateEvent);
+  if (event == nullptr) return kInvalidParam;
+  *event = g_dev.new_event(true);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtDestroyEvent(aclrtEvent event) {
+  ENTER(aclrtDestroyEvent);
+  fake::Event* ev = g_dev.event(event);
+  if (ev == nullptr) return kBadHandle;
+  g_dev.destroy_event(ev);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
+  ENTER(aclrtRecordEvent);
+  fake::Event* ev = g_dev.event(event);
+  if (ev == nullptr || !g_dev.valid_stream(stream)) return kBadHandle;
+  g_dev.record(ev, stream);
+  return ACL_SUCCESS;
+}
+
+// AscendCL reports a never-recorded event as not ready.
+aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus* status) {
+  ENTER(aclrtQueryEventStatus);
+  fake::Event* ev = g_dev.event(event);
+  if (ev == nullptr || status == nullptr) return kBadHandle;
+  bool done = ev->recorded > 0 && g_dev.complete(ev);
+  *status = done ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+  return ACL_SUCCESS;
+}
+
+aclError aclrtSynchronizeEvent(aclrtEvent event) {
+  ENTER(aclrtSynchronizeEvent);
+  fake::Event* ev = g_dev.event(event);
+  if (ev == nullptr) return kBadHandle;
+  return g_dev.complete(ev) ? ACL_SUCCESS : kWouldBlock;
+}
+
+aclError aclrtEventElapsedTime(float* ms, aclrtEvent start, aclrtEvent end) {
+  ENTER(aclrtEventElapsedTime);
+  fake::Event* a = g_dev.event(start);
+  fake::Event* b = g_dev.event(end);
+  if (ms == nullptr || a == nullptr || b == nullptr) return kBadHandle;
+  if (a->recorded == 0 || b->recorded == 0 || !g_dev.complete(a) || !g_dev.complete(b)) return kInvalidParam;
+  *ms = std::chrono::duration<float, std::milli>(b->when - a->when).count();
+  return ACL_SUCCESS;
+}
+
+}  // extern "C"
+
+// Every symbol the backend resolves is exported here with the signature of our ABI header.
+#define FAKE_CHECK_SIGNATURE(name, ret, params) \
+  static_assert(std::is_same_v<decltype(&::name), name##_fn>, "fake " #name " does not match acl_abi.h");
+MSRL_ACL_SYMBOLS(FAKE_CHECK_SIGNATURE)
+MSRL_ACL_OPTIONAL_SYMBOLS(FAKE_CHECK_SIGNATURE)

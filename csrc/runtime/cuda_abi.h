@@ -1,0 +1,79 @@
+// Our own declarations of the few CUDA runtime (libcudart) entry points msrl_core calls, so the core
+// compiles without the CUDA toolkit. Values and signatures follow the CUDA Runtime API reference; they
+// are unchanged from CUDA 11 through 13 (checked against the CUDA 13.0 cuda_runtime_api.h). Never add
+// cudaMemcpyBatchAsync here: its signature changed in CUDA 13.
+//
+// MSRL_CUDART_SYMBOLS(X) lists every function as X(name, return type, parameter list). The backend
+// resolves each with dlsym; the fake libcudart in cpp_tests checks its exports against the same list.
+#pragma once
+
+#include <cstddef>
+
+namespace msrl::cudaabi {
+
+using cudaError_t = int;
+using cudaStream_t = struct CUstream_st*;
+using cudaEvent_t = struct CUevent_st*;
+
+enum cudaMemcpyKind : int {
+  cudaMemcpyHostToHost = 0,
+  cudaMemcpyHostToDevice = 1,
+  cudaMemcpyDeviceToHost = 2,
+  cudaMemcpyDeviceToDevice = 3,
+  cudaMemcpyDefault = 4,
+};
+
+constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaErrorMemoryAllocation = 2;
+constexpr cudaError_t cudaErrorInsufficientDriver = 35;
+constexpr cudaError_t cudaErrorNoDevice = 100;
+constexpr cudaError_t cudaErrorInvalidDevice = 101;
+constexpr cudaError_t cudaErrorInvalidResourceHandle = 400;
+constexpr cudaError_t cudaErrorNotReady = 600;
+constexpr cudaError_t cudaErrorHostMemoryAlreadyRegistered = 712;
+constexpr cudaError_t cudaErrorHostMemoryNotRegistered = 713;
+constexpr cudaError_t cudaErrorUnknown = 999;
+
+constexpr unsigned cudaHostAllocDefault = 0;
+constexpr unsigned cudaHostAllocPortable = 1;
+constexpr unsigned cudaHostRegisterDefault = 0;
+constexpr unsigned cudaHostRegisterPortable = 1;
+constexpr unsigned cudaStreamDefault = 0;
+constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDefault = 0;
+constexpr unsigned cudaEventDisableTiming = 2;
+
+#define MSRL_CUDART_SYMBOLS(X)                                                                                   \
+  X(cudaGetErrorString, const char*, (cudaError_t error))                                                        \
+  X(cudaRuntimeGetVersion, cudaError_t, (int* version))                                                          \
+  X(cudaGetDeviceCount, cudaError_t, (int* count))                                                               \
+  X(cudaSetDevice, cudaError_t, (int device))                                                                    \
+  X(cudaHostAlloc, cudaError_t, (void** ptr, size_t size, unsigned flags))                                       \
+  X(cudaFreeHost, cudaError_t, (void* ptr))                                                                      \
+  X(cudaHostRegister, cudaError_t, (void* ptr, size_t size, unsigned flags))                                     \
+  X(cudaHostUnregister, cudaError_t, (void* ptr))                                                                \
+  X(cudaMalloc, cudaError_t, (void** ptr, size_t size))                                                          \
+  X(cudaFree, cudaError_t, (void* ptr))                                                                          \
+  X(cudaStreamCreateWithFlags, cudaError_t, (cudaStream_t * stream, unsigned flags))                             \
+  X(cudaStreamDestroy, cudaError_t, (cudaStream_t stream))                                                       \
+  X(cudaStreamSynchronize, cudaError_t, (cudaStream_t stream))                                                   \
+  X(cudaStreamWaitEvent, cudaError_t, (cudaStream_t stream, cudaEvent_t event, unsigned flags))                  \
+  X(cudaMemcpyAsync, cudaError_t,                                                                                \
+    (void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream))                        \
+  X(cudaMemcpy2DAsync, cudaError_t,                                                                              \
+    (void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height, cudaMemcpyKind kind, \
+     cudaStream_t stream))                                                                                       \
+  X(cudaEventCreateWithFlags, cudaError_t, (cudaEvent_t * event, unsigned flags))                                \
+  X(cudaEventDestroy, cudaError_t, (cudaEvent_t event))                                                          \
+  X(cudaEventRecord, cudaError_t, (cudaEvent_t event, cudaStream_t stream))                                      \
+  X(cudaEventQuery, cudaError_t, (cudaEvent_t event))                                                            \
+  X(cudaEventSynchronize, cudaError_t, (cudaEvent_t event))                                                      \
+  X(cudaEventElapsedTime, cudaError_t, (float* ms, cudaEvent_t start, cudaEvent_t end))
+
+// One function-pointer type per entry: cudaMalloc_fn, cudaFree_fn, ...
+#define MSRL_CUDART_TYPEDEF(name, ret, params) using name##_fn = ret(*) params;
+MSRL_CUDART_SYMBOLS(MSRL_CUDART_TYPEDEF)
+#undef MSRL_CUDART_TYPEDEF
+
+}  // namespace msrl::cudaabi
