@@ -1,4 +1,4 @@
-"""allgather-swap benchmark: bucketed plan vs per-parameter all-gather + torch slicing, and swap-out/in vs memcpy.
+"""allgather-swap benchmark: bucketed plan vs per-parameter all-gather + torch slicing; swap vs memcpy.
 
 Spawns ``--world`` processes over gloo (CPU, host runtime), builds random Megatron-layout shards of a
 ~112M-parameter Llama-style model (TP_t = world) and reshards them to the inference layout (TP_i = 1 by
@@ -60,8 +60,13 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = ModelConfig(
-        "llama", hidden_size=768, num_layers=args.layers, num_attention_heads=12, num_key_value_heads=4,
-        intermediate_size=2048, vocab_size=32000,
+        "llama",
+        hidden_size=768,
+        num_layers=args.layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
     )
     train, infer = Parallel(tp=world), Parallel(tp=args.infer_tp)
     plan = megatron_to_vllm(cfg, train, infer)
@@ -93,11 +98,21 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     ok = all(torch.equal(views[k], ref[k]) for k in ref)
     s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False)
     tele = s.telemetry
-    rows.append(dict(case="reshard_bucketed_vs_naive", seconds_median=t_b, baseline="per-parameter all_gather "
-                     "+ torch cat/slice + copy into inference buffers", baseline_seconds_median=t_n,
-                     speedup=t_n / t_b, verified=ok, infer_bytes=tele["infer_bytes"], train_bytes=tele["train_bytes"],
-                     bucket_scratch_bytes=tele["bucket_bytes"], buckets=tele["buckets"],
-                     descriptors=tele["descriptors"]))
+    rows.append(
+        dict(
+            case="reshard_bucketed_vs_naive",
+            seconds_median=t_b,
+            baseline="per-parameter all_gather + torch cat/slice + copy into inference buffers",
+            baseline_seconds_median=t_n,
+            speedup=t_n / t_b,
+            verified=ok,
+            infer_bytes=tele["infer_bytes"],
+            train_bytes=tele["train_bytes"],
+            bucket_scratch_bytes=tele["bucket_bytes"],
+            buckets=tele["buckets"],
+            descriptors=tele["descriptors"],
+        )
+    )
 
     # 2. memory: bucketed switch (accounted) vs naive path, same run
     s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank)
@@ -105,9 +120,16 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     s.swap_back().wait()
     _, naive_bytes = naive_reshard(params, plan, groups, infer_rank=infer_rank)
     naive_bytes += flat.numel()
-    rows.append(dict(case="switch_peak_bytes_vs_naive", peak_bytes=peak, bound_bytes=tele["train_bytes"]
-                     + tele["infer_bytes"] + tele["bucket_bytes"], freed_bytes=freed, naive_peak_bytes=naive_bytes,
-                     ratio=naive_bytes / peak))
+    rows.append(
+        dict(
+            case="switch_peak_bytes_vs_naive",
+            peak_bytes=peak,
+            bound_bytes=tele["train_bytes"] + tele["infer_bytes"] + tele["bucket_bytes"],
+            freed_bytes=freed,
+            naive_peak_bytes=naive_bytes,
+            ratio=naive_bytes / peak,
+        )
+    )
 
     # 3. swap-out / swap-in (host runtime, pinned mirrors, persistent) vs memcpy of the same bytes
     nbytes = sum(p.untyped_storage().nbytes() for p in params.values())
@@ -131,13 +153,34 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     restored = all(torch.equal(params[k], snap[k]) for k in snap)
     so, si = statistics.median(outs), statistics.median(ins)
     for case, t in (("swap_out_vs_memcpy", so), ("swap_in_vs_memcpy", si)):
-        rows.append(dict(case=case, bytes=nbytes, gbps_median=nbytes / t / 1e9, baseline="torch uint8 copy_ "
-                         "(memcpy) of the same bytes, one buffer", baseline_gbps_median=nbytes / t_m / 1e9,
-                         ratio=t_m / t, verified=restored))
-    common = dict(backend=msrl_core.runtime_info()["selected"], world=world, transport="gloo", train_tp=world, infer_tp=infer.tp, bucket_mib=args.bucket_mib,
-                  model_params=nparams, dtype=cfg.dtype, statistic="median", reps=args.reps,
-                  torch=torch.__version__, msrl_core=msrl_core.__version__, python=platform.python_version(),
-                  machine=f"{platform.machine()} {os.cpu_count()} cpus", commit=_commit())
+        rows.append(
+            dict(
+                case=case,
+                bytes=nbytes,
+                gbps_median=nbytes / t / 1e9,
+                baseline="torch uint8 copy_ (memcpy) of the same bytes, one buffer",
+                baseline_gbps_median=nbytes / t_m / 1e9,
+                ratio=t_m / t,
+                verified=restored,
+            )
+        )
+    common = dict(
+        backend=msrl_core.runtime_info()["selected"],
+        world=world,
+        transport="gloo",
+        train_tp=world,
+        infer_tp=infer.tp,
+        bucket_mib=args.bucket_mib,
+        model_params=nparams,
+        dtype=cfg.dtype,
+        statistic="median",
+        reps=args.reps,
+        torch=torch.__version__,
+        msrl_core=msrl_core.__version__,
+        python=platform.python_version(),
+        machine=f"{platform.machine()} {os.cpu_count()} cpus",
+        commit=_commit(),
+    )
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump([{**r, **common} for r in rows], f)
     dist.barrier()
@@ -156,7 +199,10 @@ def main() -> None:
 
     out = tempfile.mkdtemp(prefix="msrl_reshard_bench_")
     mp.spawn(_worker, args=(args.world, _port(), args, out), nprocs=args.world)
-    per_rank = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.world)]
+    per_rank = []
+    for r in range(args.world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f))
     for i, row in enumerate(per_rank[0]):
         for key in ("seconds_median", "baseline_seconds_median"):
             if key in row:

@@ -33,8 +33,15 @@ def patch() -> None:
     c.manual_seed = lambda seed: torch.manual_seed(seed)
     c.device_count = lambda: 0
     torch.Tensor.cuda = lambda self, *a, **k: self  # tied-embedding setup moves weights with .cuda()
-    c.nvtx = type("nvtx", (), {"range_push": staticmethod(lambda *a: None), "range_pop": staticmethod(lambda: None),
-                               "range": staticmethod(lambda *a, **k: contextlib.nullcontext())})
+    c.nvtx = type(
+        "nvtx",
+        (),
+        {
+            "range_push": staticmethod(lambda *a: None),
+            "range_pop": staticmethod(lambda: None),
+            "range": staticmethod(lambda *a, **k: contextlib.nullcontext()),
+        },
+    )
     import functools
 
     from megatron.core.fusions import fused_softmax
@@ -54,8 +61,16 @@ def patch() -> None:
 
     from megatron.core.transformer.moe import moe_utils
 
-    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute", "fused_unpermute",
-                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                 "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
+    for name in (
+        "te_general_gemm",
+        "fused_topk_with_score_function",
+        "fused_permute",
+        "fused_unpermute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+    ):
         if not hasattr(moe_utils, name):  # megatron-core 0.16.1 leaves these undefined without TE
             setattr(moe_utils, name, None)

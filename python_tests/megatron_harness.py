@@ -32,7 +32,9 @@ def run(cases: list[dict], world: int = 2, timeout: float = 600.0) -> list[dict]
 
     out = tempfile.mkdtemp(prefix="msrl_mg_")
     port = free_port()
-    ctx = mp.start_processes(_main, args=(world, port, cases, out), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _main, args=(world, port, cases, out), nprocs=world, join=False, start_method="spawn"
+    )
     import time
 
     deadline = time.monotonic() + timeout
@@ -132,7 +134,10 @@ def load_hf(model, cfg, tensors: dict) -> None:
             h = f"model.layers.{i}.mlp.experts."
             E = cfg.num_experts
             sd[h + "gate_up_proj"] = torch.stack(
-                [torch.cat([sd.pop(h + f"{e}.gate_proj.weight"), sd.pop(h + f"{e}.up_proj.weight")]) for e in range(E)]
+                [
+                    torch.cat([sd.pop(h + f"{e}.gate_proj.weight"), sd.pop(h + f"{e}.up_proj.weight")])
+                    for e in range(E)
+                ]
             )
             sd[h + "down_proj"] = torch.stack([sd.pop(h + f"{e}.down_proj.weight") for e in range(E)])
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -305,7 +310,9 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
 
     plan = to_hf(cfg, train)
     flat, views = plan.allocate_inference()
-    swap = msrl_core.allgather_swap(model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10))
+    swap = msrl_core.allgather_swap(
+        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10)
+    )
     res["hf_telemetry"] = {k: v for k, v in swap.telemetry.items() if isinstance(v, (int, float, str, bool))}
     res["freed_all"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     res["param_objects_kept"] = len(list(model.parameters())) == len(before)
@@ -334,7 +341,9 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
         res["vllm_names_equal"] = sorted(exp) == sorted(vviews)
         res["vllm_mismatch"] = [n for n in exp if n in vviews and not torch.equal(exp[n], vviews[n])]
-        res["vllm_telemetry"] = {k: v for k, v in vs.telemetry.items() if isinstance(v, (int, float, str, bool))}
+        res["vllm_telemetry"] = {
+            k: v for k, v in vs.telemetry.items() if isinstance(v, (int, float, str, bool))
+        }
         vs.swap_back().wait()
         res["vllm_restored_equal"] = _crcs(model) == before
         # same run: naive path (per-parameter all_gather + torch slicing, everything kept)

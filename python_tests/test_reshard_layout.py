@@ -6,33 +6,70 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reshard_util import gathered_bucket, random_shards, run_plan_numpy
 
 import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, ReshardError, megatron_to_vllm, reference, to_hf
 from msrl_core.reshard.layout import vllm_padded_vocab
+from reshard_util import gathered_bucket, random_shards, run_plan_numpy
 
 CONFIGS = {
     "qwen2_gqa_bias": ModelConfig(
-        "qwen2", hidden_size=64, num_layers=2, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=1000, qkv_bias=True,
+        "qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=1000,
+        qkv_bias=True,
     ),
     "llama_mqa_tied": ModelConfig(
-        "llama", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        intermediate_size=128, vocab_size=997, tie_word_embeddings=True,
+        "llama",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=997,
+        tie_word_embeddings=True,
     ),
     "qwen3_qknorm_hd": ModelConfig(
-        "qwen3", hidden_size=48, num_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-        intermediate_size=64, vocab_size=1024, qk_norm=True,
+        "qwen3",
+        hidden_size=48,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=64,
+        vocab_size=1024,
+        qk_norm=True,
     ),
     "qwen3_moe": ModelConfig(
-        "qwen3_moe", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=96, vocab_size=1000, qk_norm=True, num_experts=4, moe_intermediate_size=32,
+        "qwen3_moe",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=1000,
+        qk_norm=True,
+        num_experts=4,
+        moe_intermediate_size=32,
     ),
     "qwen2_moe_shared": ModelConfig(
-        "qwen2_moe", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=96, vocab_size=1000, qkv_bias=True, num_experts=4, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, tie_word_embeddings=True,
+        "qwen2_moe",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        vocab_size=1000,
+        qkv_bias=True,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -139,7 +176,9 @@ def vllm_expected(cfg: ModelConfig, infer: Parallel, rank: int, hf: dict) -> dic
             out[p + "self_attn.qkv_proj.bias"] = qkv_parallel(p, "bias")
         out[p + "self_attn.o_proj.weight"] = row_parallel(hf[p + "self_attn.o_proj.weight"])
         if not cfg.is_moe:
-            out[p + "mlp.gate_up_proj.weight"] = merged_column([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+            out[p + "mlp.gate_up_proj.weight"] = merged_column(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]
+            )
             out[p + "mlp.down_proj.weight"] = row_parallel(hf[p + "mlp.down_proj.weight"])
             continue
         out[p + "mlp.gate.weight"] = hf[p + "mlp.gate.weight"].clone()  # ReplicatedLinear
@@ -160,7 +199,9 @@ def vllm_expected(cfg: ModelConfig, infer: Parallel, rank: int, hf: dict) -> dic
         out[p + "mlp.experts.w13_weight"], out[p + "mlp.experts.w2_weight"] = w13, w2
         if cfg.shared_expert_intermediate_size:
             s = p + "mlp.shared_expert."
-            out[s + "gate_up_proj.weight"] = merged_column([hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"]])
+            out[s + "gate_up_proj.weight"] = merged_column(
+                [hf[s + "gate_proj.weight"], hf[s + "up_proj.weight"]]
+            )
             out[s + "down_proj.weight"] = row_parallel(hf[s + "down_proj.weight"])
             out[p + "mlp.shared_expert_gate.weight"] = hf[p + "mlp.shared_expert_gate.weight"].clone()
     return out
@@ -235,10 +276,18 @@ def _padding(plan) -> int:
     [
         ({}, Parallel(tp=3), Parallel(tp=1), "num_attention_heads"),
         ({}, Parallel(tp=2), Parallel(tp=3), "num_attention_heads"),
-        ({"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 48, "intermediate_size": 96},
-         Parallel(tp=1), Parallel(tp=3), "vocab"),
-        ({"num_key_value_heads": 4, "num_attention_heads": 12, "hidden_size": 48, "intermediate_size": 96},
-         Parallel(tp=1), Parallel(tp=3), "num_key_value_heads"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 48, "intermediate_size": 96},
+            Parallel(tp=1),
+            Parallel(tp=3),
+            "vocab",
+        ),
+        (
+            {"num_key_value_heads": 4, "num_attention_heads": 12, "hidden_size": 48, "intermediate_size": 96},
+            Parallel(tp=1),
+            Parallel(tp=3),
+            "num_key_value_heads",
+        ),
         ({"intermediate_size": 90}, Parallel(tp=4), Parallel(tp=1), "intermediate_size"),
         ({"num_layers": 3}, Parallel(pp=2), Parallel(tp=1), "num_layers"),
         ({}, Parallel(tp=1, ep=2), Parallel(tp=1), "ep=2"),
@@ -246,8 +295,15 @@ def _padding(plan) -> int:
     ],
 )
 def test_bad_parallel_sizes_are_rejected_with_the_reason(kwargs, train, infer, needle):
-    base = dict(arch="llama", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, vocab_size=1000)
+    base = dict(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
     base.update(kwargs)
     with pytest.raises(ReshardError) as ei:
         megatron_to_vllm(ModelConfig(**base), train, infer)
@@ -261,6 +317,14 @@ def test_model_config_errors_and_from_hf():
     with pytest.raises(ReshardError, match="num_key_value_heads"):
         ModelConfig("llama", 64, 2, 4, 3, 128, 100)
     transformers = pytest.importorskip("transformers")
-    c = ModelConfig.from_hf(transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                                    intermediate_size=96, num_hidden_layers=2, vocab_size=1000))
+    c = ModelConfig.from_hf(
+        transformers.Qwen2Config(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            vocab_size=1000,
+        )
+    )
     assert (c.arch, c.qkv_bias, c.hd, c.num_key_value_heads) == ("qwen2", True, 16, 2)

@@ -20,32 +20,120 @@ TOL = 1e-4
 DENSE = dict(hidden_size=64, num_layers=2, intermediate_size=96)
 CASES = [
     # GQA, TP_t (2) < num_kv_heads (4), QKV bias, untied, vocab 1000 padded to 1024 by Megatron
-    dict(name="qwen2_kv4_bias_untied_padded", tp=2, vllm_tp=2, errors=True,
-         model=dict(arch="qwen2", num_attention_heads=8, num_key_value_heads=4, vocab_size=1000, qkv_bias=True,
-                    **DENSE)),
+    dict(
+        name="qwen2_kv4_bias_untied_padded",
+        tp=2,
+        vllm_tp=2,
+        errors=True,
+        model=dict(
+            arch="qwen2",
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=1000,
+            qkv_bias=True,
+            **DENSE,
+        ),
+    ),
     # MQA, TP_t (2) > num_kv_heads (1): Megatron splits a query group across ranks; tied; vocab 997
-    dict(name="llama_kv1_nobias_tied", tp=2, vllm_tp=2,
-         model=dict(arch="llama", num_attention_heads=4, num_key_value_heads=1, vocab_size=997,
-                    tie_word_embeddings=True, **DENSE)),
+    dict(
+        name="llama_kv1_nobias_tied",
+        tp=2,
+        vllm_tp=2,
+        model=dict(
+            arch="llama",
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=997,
+            tie_word_embeddings=True,
+            **DENSE,
+        ),
+    ),
     # Llama with attention bias, head_dim != hidden/heads, TP_t == num_kv_heads, vocab needs no padding
-    dict(name="llama_kv2_bias_headdim32", tp=2, vllm_tp=1,
-         model=dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
-                    qkv_bias=True, make_vocab_size_divisible_by=64, **DENSE)),
+    dict(
+        name="llama_kv2_bias_headdim32",
+        tp=2,
+        vllm_tp=1,
+        model=dict(
+            arch="llama",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=1024,
+            qkv_bias=True,
+            make_vocab_size_divisible_by=64,
+            **DENSE,
+        ),
+    ),
     # pipeline: PP_t 2 (stage-local layer names), tied embeddings (output layer copy on the last stage)
-    dict(name="qwen2_pp2_tied", tp=1, pp=2,
-         model=dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, qkv_bias=True,
-                    tie_word_embeddings=True, hidden_size=64, num_layers=4, intermediate_size=96)),
-    dict(name="llama_pp2_untied", tp=1, pp=2, vllm_tp=2,
-         model=dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                    hidden_size=64, num_layers=4, intermediate_size=96)),
+    dict(
+        name="qwen2_pp2_tied",
+        tp=1,
+        pp=2,
+        model=dict(
+            arch="qwen2",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            qkv_bias=True,
+            tie_word_embeddings=True,
+            hidden_size=64,
+            num_layers=4,
+            intermediate_size=96,
+        ),
+    ),
+    dict(
+        name="llama_pp2_untied",
+        tp=1,
+        pp=2,
+        vllm_tp=2,
+        model=dict(
+            arch="llama",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            hidden_size=64,
+            num_layers=4,
+            intermediate_size=96,
+        ),
+    ),
     # MoE: Qwen3-MoE with EP 2 (experts contiguous per EP rank), q/k norm; vLLM with EP 2
-    dict(name="qwen3moe_ep2", tp=1, ep=2, vllm_tp=2, vllm_ep=2,
-         model=dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
-                    qk_norm=True, num_experts=4, moe_intermediate_size=32, **DENSE)),
+    dict(
+        name="qwen3moe_ep2",
+        tp=1,
+        ep=2,
+        vllm_tp=2,
+        vllm_ep=2,
+        model=dict(
+            arch="qwen3_moe",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=1000,
+            qk_norm=True,
+            num_experts=4,
+            moe_intermediate_size=32,
+            **DENSE,
+        ),
+    ),
     # MoE with expert tensor parallel (EP 1, ETP = TP 2); vLLM TP 2 without EP (experts TP-sharded)
-    dict(name="qwen3moe_tp2_etp2", tp=2, ep=1, vllm_tp=2, vllm_ep=1,
-         model=dict(arch="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
-                    qk_norm=True, num_experts=4, moe_intermediate_size=32, **DENSE)),
+    dict(
+        name="qwen3moe_tp2_etp2",
+        tp=2,
+        ep=1,
+        vllm_tp=2,
+        vllm_ep=1,
+        model=dict(
+            arch="qwen3_moe",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=1000,
+            qk_norm=True,
+            num_experts=4,
+            moe_intermediate_size=32,
+            **DENSE,
+        ),
+    ),
 ]
 NAMES = [c["name"] for c in CASES]
 
@@ -102,6 +190,11 @@ def test_peak_memory_bound_and_naive_ratio(results):
 def test_bad_groups_rejected_before_any_collective(results):
     for r in _ok(results, "qwen2_kv4_bias_untied_padded"):
         e = r["errors"]
-        assert e["missing_tp_group"]["raised"] == "ReshardError" and "groups['tp'] is missing" in e["missing_tp_group"]["msg"]
-        assert e["wrong_group_size"]["raised"] == "ReshardError" and "has size 2" in e["wrong_group_size"]["msg"]
+        assert (
+            e["missing_tp_group"]["raised"] == "ReshardError"
+            and "groups['tp'] is missing" in e["missing_tp_group"]["msg"]
+        )
+        assert (
+            e["wrong_group_size"]["raised"] == "ReshardError" and "has size 2" in e["wrong_group_size"]["msg"]
+        )
         assert all(v["intact"] for v in e.values())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reshard_util import random_shards
 
 import msrl_core
 from msrl_core.reshard import (
@@ -20,16 +19,25 @@ from msrl_core.reshard import (
     reference,
     to_hf,
 )
+from reshard_util import random_shards
 
 CFG = ModelConfig(
-    "qwen2", hidden_size=64, num_layers=2, num_attention_heads=8, num_key_value_heads=2, intermediate_size=96,
-    vocab_size=1000, qkv_bias=True,
+    "qwen2",
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=1000,
+    qkv_bias=True,
 )
 BUCKET = 16 << 10
 
 
 def make_params(plan, seed=0):
-    return {k: torch.nn.Parameter(v, requires_grad=False) for k, v in random_shards(plan, seed)[(0, 0, 0)].items()}
+    return {
+        k: torch.nn.Parameter(v, requires_grad=False) for k, v in random_shards(plan, seed)[(0, 0, 0)].items()
+    }
 
 
 def snapshot(params):
@@ -37,7 +45,10 @@ def snapshot(params):
 
 
 def intact(params, snap):
-    return all(p.untyped_storage().nbytes() == p.nbytes and torch.equal(p.detach(), snap[k]) for k, p in params.items())
+    return all(
+        p.untyped_storage().nbytes() == p.nbytes and torch.equal(p.detach(), snap[k])
+        for k, p in params.items()
+    )
 
 
 @pytest.fixture
@@ -75,7 +86,9 @@ def test_pinned_mirrors_are_allocated_once_and_reused(setup):
     mirrors = dict(plan.mirrors)
     in_use = pool.stats()["in_use"]
     for _ in range(3):
-        allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool).swap_back().wait()
+        allgather_swap(
+            params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool
+        ).swap_back().wait()
     assert all(plan.mirrors[k] is m for k, m in mirrors.items())
     assert pool.stats()["in_use"] == in_use
     assert intact(params, snap)
@@ -148,7 +161,9 @@ def test_inference_views_must_come_from_one_flat_buffer(setup):
     loose = {k: v.clone() for k, v in views.items()}
     with pytest.raises(ReshardError, match="one flat"):
         allgather_swap(params, loose, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
-    s = allgather_swap(params, views, plan, {}, bucket_bytes=BUCKET, infer_rank=0)  # the views themselves work
+    s = allgather_swap(
+        params, views, plan, {}, bucket_bytes=BUCKET, infer_rank=0
+    )  # the views themselves work
     s.swap_back().wait()
     assert intact(params, snap)
 
@@ -195,15 +210,24 @@ def test_failure_during_swap_out_restores_training_weights(setup):
     plan, params, snap = setup
     flat, _ = plan.allocate_inference()
     with pytest.raises(ReshardError, match="swap-out failed .*restored"):
-        allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(5))
+        allgather_swap(
+            params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(5)
+        )
     assert intact(params, snap) and plan._active is None
 
 
 def test_memory_accounting_versus_naive_path():
     """Same run: bucketed switch peak = shard + inference + one bucket; the naive path (per-parameter
     gather, torch slicing, everything kept) holds far more."""
-    cfg = ModelConfig("llama", hidden_size=256, num_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                      intermediate_size=512, vocab_size=4000)
+    cfg = ModelConfig(
+        "llama",
+        hidden_size=256,
+        num_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        vocab_size=4000,
+    )
     plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
     params = make_params(plan)
     flat, _ = plan.allocate_inference()

@@ -146,7 +146,9 @@ class ReshardPlan:
         for b in buckets:
             for name, _, off, _, r0, _ in b.params:
                 chunks.setdefault((b.stage, name), []).append((r0, b.index, off, b.local_bytes))
-        where = {k: np.asarray(v, dtype=np.int64) for k, v in chunks.items()}  # rows: r0, bucket, off, member_bytes
+        where = {
+            k: np.asarray(v, dtype=np.int64) for k, v in chunks.items()
+        }  # rows: r0, bucket, off, member_bytes
         layout, _ = self.infer_layout(infer_rank)
         es = self.itemsize
         per_bucket: list[list[np.ndarray]] = [[] for _ in buckets]
@@ -222,7 +224,7 @@ def _cols_descs(pc, rows, lcols, ch, toff, tcols, es) -> np.ndarray:
 
 
 def execute_numpy(descs: np.ndarray, dst: np.ndarray, src: np.ndarray) -> None:
-    """Reference executor of a descriptor array over uint8 buffers (tests, and builds without the extension)."""
+    """Reference executor of a descriptor array over uint8 buffers (tests; no native extension needed)."""
     for so, do, rows, rb, sp, dp in np.asarray(descs, dtype=np.int64):
         s = np.lib.stride_tricks.as_strided(src[so:], shape=(rows, rb), strides=(sp, 1))
         d = np.lib.stride_tricks.as_strided(dst[do:], shape=(rows, rb), strides=(dp, 1))

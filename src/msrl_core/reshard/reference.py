@@ -45,7 +45,9 @@ def megatron_to_hf(cfg: ModelConfig, train: Parallel, shards: Shards) -> dict[st
                 out[h + f"self_attn.q_proj.{suf}"] = g[:, :qpg].reshape(nh * hd, *tail)
                 out[h + f"self_attn.k_proj.{suf}"] = g[:, qpg].reshape(ng * hd, *tail)
                 out[h + f"self_attn.v_proj.{suf}"] = g[:, qpg + 1].reshape(ng * hd, *tail)
-            out[h + "self_attn.o_proj.weight"] = torch.cat(tp(s, p + "self_attention.linear_proj.weight"), dim=1)
+            out[h + "self_attn.o_proj.weight"] = torch.cat(
+                tp(s, p + "self_attention.linear_proj.weight"), dim=1
+            )
             if cfg.qk_norm:
                 out[h + "self_attn.q_norm.weight"] = r0[p + "self_attention.q_layernorm.weight"]
                 out[h + "self_attn.k_norm.weight"] = r0[p + "self_attention.k_layernorm.weight"]
@@ -66,7 +68,11 @@ def megatron_to_hf(cfg: ModelConfig, train: Parallel, shards: Shards) -> dict[st
                 else:
                     gate, up = fc1_split(tp(s, q + "linear_fc1.weight"))
                     down = torch.cat(tp(s, q + "linear_fc2.weight"), dim=1)
-                out[x + "gate_proj.weight"], out[x + "up_proj.weight"], out[x + "down_proj.weight"] = gate, up, down
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"], out[x + "down_proj.weight"] = (
+                    gate,
+                    up,
+                    down,
+                )
             if cfg.shared_expert_intermediate_size:
                 q, x = p + "mlp.shared_experts.", h + "mlp.shared_expert."
                 gate, up = fc1_split(tp(s, q + "linear_fc1.weight"))
@@ -109,21 +115,24 @@ def hf_to_vllm(cfg: ModelConfig, infer: Parallel, rank: int, hf: dict[str, Any])
             k, v = hf[name.replace("q_proj", "k_proj")], hf[name.replace("q_proj", "v_proj")]
             qh = nh // t
             out[name.replace("q_proj", "qkv_proj")] = torch.cat(
-                [x[rank * qh * hd : (rank + 1) * qh * hd], k[kr * kvh * hd : (kr + 1) * kvh * hd],
-                 v[kr * kvh * hd : (kr + 1) * kvh * hd]]
+                [
+                    x[rank * qh * hd : (rank + 1) * qh * hd],
+                    k[kr * kvh * hd : (kr + 1) * kvh * hd],
+                    v[kr * kvh * hd : (kr + 1) * kvh * hd],
+                ]
             )
             del suf
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             continue
-        elif name.endswith("o_proj.weight") or (name.endswith("down_proj.weight") and ".experts." not in name):
+        elif name.endswith("o_proj.weight") or (
+            name.endswith("down_proj.weight") and ".experts." not in name
+        ):
             out[name] = chunk(x, 1)
         elif name.endswith("gate_proj.weight") and ".experts." not in name:
             out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
                 [chunk(x), chunk(hf[name.replace("gate_proj", "up_proj")])]
             )
-        elif name.endswith("up_proj.weight") and ".experts." not in name:
-            continue
-        elif ".mlp.experts." in name:
+        elif name.endswith("up_proj.weight") and ".experts." not in name or ".mlp.experts." in name:
             continue
         else:
             out[name] = x
@@ -141,7 +150,10 @@ def hf_to_vllm(cfg: ModelConfig, infer: Parallel, rank: int, hf: dict[str, Any])
                 ids = range(E)
                 sl = chunk
             out[h + "w13_weight"] = torch.stack(
-                [torch.cat([sl(hf[h + f"{e}.gate_proj.weight"]), sl(hf[h + f"{e}.up_proj.weight"])]) for e in ids]
+                [
+                    torch.cat([sl(hf[h + f"{e}.gate_proj.weight"]), sl(hf[h + f"{e}.up_proj.weight"])])
+                    for e in ids
+                ]
             )
             out[h + "w2_weight"] = torch.stack([sl(hf[h + f"{e}.down_proj.weight"], 1) for e in ids])
     if cfg.tie_word_embeddings:

@@ -1,31 +1,26 @@
 """Model layout specs: Megatron parameter sets per PP stage, HF tensors with their Megatron sources, and the
 inference targets (HF layout, or vLLM per-rank layout) as lists of pieces.
 
-Name map (Megatron local spec / TE spec -> HF -> vLLM), layer ``i`` global:
+Name map, Megatron (local layer spec; TE-spec aliases accepted) -> HF -> vLLM, layer ``i`` global
+(``L.`` = ``decoder.layers.i.`` / ``model.layers.i.``):
 
-=====================================================  ====================================  =========================
-Megatron                                               HF                                    vLLM
-=====================================================  ====================================  =========================
-embedding.word_embeddings.weight                       model.embed_tokens.weight             model.embed_tokens.weight
-decoder.layers.i.input_layernorm.weight                model.layers.i.input_layernorm.weight  (same as HF)
-  (TE: self_attention.linear_qkv.layer_norm_weight)
-decoder.layers.i.self_attention.linear_qkv.{weight,bias}  self_attn.{q,k,v}_proj.{weight,bias}  self_attn.qkv_proj
-decoder.layers.i.self_attention.linear_proj.weight     self_attn.o_proj.weight               self_attn.o_proj.weight
-decoder.layers.i.self_attention.{q,k}_layernorm.weight  self_attn.{q,k}_norm.weight           (same as HF)
-decoder.layers.i.pre_mlp_layernorm.weight              post_attention_layernorm.weight       (same as HF)
-  (TE: mlp.linear_fc1.layer_norm_weight)
-decoder.layers.i.mlp.linear_fc1.weight                 mlp.{gate,up}_proj.weight             mlp.gate_up_proj.weight
-decoder.layers.i.mlp.linear_fc2.weight                 mlp.down_proj.weight                  mlp.down_proj.weight
-decoder.layers.i.mlp.router.weight                     mlp.gate.weight                       mlp.gate.weight
-decoder.layers.i.mlp.experts.local_experts.j.linear_fc1.weight  mlp.experts.e.{gate,up}_proj   mlp.experts.w13_weight
-  (TE grouped: mlp.experts.linear_fc1.weight{j})
-decoder.layers.i.mlp.experts.local_experts.j.linear_fc2.weight  mlp.experts.e.down_proj        mlp.experts.w2_weight
-decoder.layers.i.mlp.shared_experts.linear_fc1.weight  mlp.shared_expert.{gate,up}_proj      shared_expert.gate_up_proj
-decoder.layers.i.mlp.shared_experts.linear_fc2.weight  mlp.shared_expert.down_proj           shared_expert.down_proj
-decoder.layers.i.mlp.shared_experts.gate_weight        mlp.shared_expert_gate.weight         (same as HF)
-decoder.final_layernorm.weight                         model.norm.weight                     model.norm.weight
-output_layer.weight                                    lm_head.weight                        lm_head.weight
-=====================================================  ====================================  =========================
+- ``embedding.word_embeddings.weight`` -> ``model.embed_tokens.weight`` -> same
+- ``L.input_layernorm.weight`` (TE: ``L.self_attention.linear_qkv.layer_norm_weight``) -> same HF/vLLM name
+- ``L.self_attention.linear_qkv.{weight,bias}`` -> ``L.self_attn.{q,k,v}_proj.*`` -> ``L.self_attn.qkv_proj``
+- ``L.self_attention.linear_proj.weight`` -> ``L.self_attn.o_proj.weight`` -> same
+- ``L.self_attention.{q,k}_layernorm.weight`` -> ``L.self_attn.{q,k}_norm.weight`` -> same
+- ``L.pre_mlp_layernorm.weight`` (TE: ``L.mlp.linear_fc1.layer_norm_weight``) -> ``post_attention_layernorm``
+- ``L.mlp.linear_fc1.weight`` -> ``L.mlp.{gate,up}_proj.weight`` -> ``L.mlp.gate_up_proj.weight``
+- ``L.mlp.linear_fc2.weight`` -> ``L.mlp.down_proj.weight`` -> same
+- ``L.mlp.router.weight`` -> ``L.mlp.gate.weight`` -> same
+- ``L.mlp.experts.local_experts.j.linear_fc1.weight`` (TE grouped: ``L.mlp.experts.linear_fc1.weight{j}``)
+  -> ``L.mlp.experts.e.{gate,up}_proj.weight`` -> ``L.mlp.experts.w13_weight[e_local]``
+- ``L.mlp.experts.local_experts.j.linear_fc2.weight`` -> ``L.mlp.experts.e.down_proj.weight``
+  -> ``L.mlp.experts.w2_weight[e_local]``
+- ``L.mlp.shared_experts.linear_fc1/fc2.weight`` -> ``L.mlp.shared_expert.{gate,up,down}_proj.weight``
+  -> ``L.mlp.shared_expert.gate_up_proj`` / ``down_proj``; ``L.mlp.shared_experts.gate_weight``
+  -> ``L.mlp.shared_expert_gate.weight``
+- ``decoder.final_layernorm.weight`` -> ``model.norm.weight``; ``output_layer.weight`` -> ``lm_head.weight``
 """
 
 from __future__ import annotations
@@ -64,11 +59,11 @@ def check_train(cfg: ModelConfig, train: Parallel) -> None:
     _divide(cfg.num_attention_heads, t, f"num_attention_heads vs training tp={t}")
     ng = cfg.num_key_value_heads
     if ng % t and t % ng:
-        raise ReshardError(
-            f"num_key_value_heads={ng} and training tp={t}: one must divide the other (Megatron splits query groups)"
-        )
+        raise ReshardError(f"num_key_value_heads={ng} and training tp={t}: one must divide the other")
     _divide(cfg.intermediate_size, t, f"intermediate_size vs training tp={t}")
-    _divide(cfg.num_layers, train.pp, f"num_layers vs training pp={train.pp} (uneven stages are not supported)")
+    _divide(
+        cfg.num_layers, train.pp, f"num_layers vs training pp={train.pp} (uneven stages are not supported)"
+    )
     if cfg.is_moe:
         _divide(cfg.num_experts, train.ep, f"num_experts vs training ep={train.ep}")
         if train.ep > 1 and train.expert_tp != 1:
@@ -77,7 +72,9 @@ def check_train(cfg: ModelConfig, train: Parallel) -> None:
             raise ReshardError(f"training ep=1 needs expert tp == tp ({t}), got etp={train.expert_tp}")
         _divide(cfg.moe_intermediate_size, train.expert_tp, "moe_intermediate_size vs training expert tp")
         if cfg.shared_expert_intermediate_size:
-            _divide(cfg.shared_expert_intermediate_size, t, f"shared_expert_intermediate_size vs training tp={t}")
+            _divide(
+                cfg.shared_expert_intermediate_size, t, f"shared_expert_intermediate_size vs training tp={t}"
+            )
     elif train.ep != 1:
         raise ReshardError(f"training ep={train.ep} given for dense arch {cfg.arch!r}")
 
@@ -89,9 +86,7 @@ def check_infer(cfg: ModelConfig, infer: Parallel) -> None:
     _divide(cfg.num_attention_heads, t, f"num_attention_heads vs inference tp={t}")
     ng = cfg.num_key_value_heads
     if ng % t and t % ng:
-        raise ReshardError(
-            f"num_key_value_heads={ng} and inference tp={t}: one must divide the other (vLLM QKVParallelLinear)"
-        )
+        raise ReshardError(f"num_key_value_heads={ng} and inference tp={t}: one must divide the other")
     _divide(cfg.intermediate_size, t, f"intermediate_size vs inference tp={t}")
     _divide(vllm_padded_vocab(cfg.vocab_size), t, f"vLLM-padded vocab (multiple of 64) vs inference tp={t}")
     if cfg.is_moe:
@@ -102,7 +97,9 @@ def check_infer(cfg: ModelConfig, infer: Parallel) -> None:
         else:
             _divide(cfg.moe_intermediate_size, t, f"moe_intermediate_size vs inference tp={t}")
         if cfg.shared_expert_intermediate_size:
-            _divide(cfg.shared_expert_intermediate_size, t, f"shared_expert_intermediate_size vs inference tp={t}")
+            _divide(
+                cfg.shared_expert_intermediate_size, t, f"shared_expert_intermediate_size vs inference tp={t}"
+            )
     elif infer.ep != 1:
         raise ReshardError(f"inference ep={infer.ep} given for dense arch {cfg.arch!r}")
 
@@ -116,8 +113,10 @@ def stage_layers(cfg: ModelConfig, train: Parallel, stage: int) -> range:
     return range(stage * n, (stage + 1) * n)
 
 
-def megatron_stage_params(cfg: ModelConfig, train: Parallel, stage: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(local name, local shape, gather group)`` of every parameter on one PP stage (same on every TP/EP rank)."""
+def megatron_stage_params(
+    cfg: ModelConfig, train: Parallel, stage: int
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(local name, local shape, gather group)`` of each parameter of one PP stage (all TP/EP ranks)."""
     check_train(cfg, train)
     t, H, hd = train.tp, cfg.hidden_size, cfg.hd
     nh, ng = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -214,6 +213,15 @@ def _fc1_map(F: int, t: int, which: str):
     return f
 
 
+def _owner_map(member: int, offset: int):
+    """A whole expert on EP member ``member``; HF rows shifted by ``offset`` inside the fused fc1."""
+
+    def f(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.full_like(rows, member), rows + offset
+
+    return f
+
+
 def _plain_map(local: int):
     return lambda rows: _even(rows, local)
 
@@ -253,13 +261,17 @@ def hf_tensors(cfg: ModelConfig, train: Parallel) -> dict[str, HFTensor]:
                 add(
                     h + f"self_attn.{w}_proj.weight",
                     (n * hd, H),
-                    rows_src(p + "self_attention.linear_qkv.weight", s, (qkv_local, H), _qkv_map(cfg, t, w, 1)),
+                    rows_src(
+                        p + "self_attention.linear_qkv.weight", s, (qkv_local, H), _qkv_map(cfg, t, w, 1)
+                    ),
                 )
                 if cfg.qkv_bias:
                     add(
                         h + f"self_attn.{w}_proj.bias",
                         (n * hd,),
-                        rows_src(p + "self_attention.linear_qkv.bias", s, (qkv_local, 1), _qkv_map(cfg, t, w, 1)),
+                        rows_src(
+                            p + "self_attention.linear_qkv.bias", s, (qkv_local, 1), _qkv_map(cfg, t, w, 1)
+                        ),
                     )
             add(
                 h + "self_attn.o_proj.weight",
@@ -267,15 +279,27 @@ def hf_tensors(cfg: ModelConfig, train: Parallel) -> dict[str, HFTensor]:
                 cols_src(p + "self_attention.linear_proj.weight", s, (H, nh * hd // t)),
             )
             if cfg.qk_norm:
-                add(h + "self_attn.q_norm.weight", (hd,), rep(p + "self_attention.q_layernorm.weight", s, (hd, 1)))
-                add(h + "self_attn.k_norm.weight", (hd,), rep(p + "self_attention.k_layernorm.weight", s, (hd, 1)))
+                add(
+                    h + "self_attn.q_norm.weight",
+                    (hd,),
+                    rep(p + "self_attention.q_layernorm.weight", s, (hd, 1)),
+                )
+                add(
+                    h + "self_attn.k_norm.weight",
+                    (hd,),
+                    rep(p + "self_attention.k_layernorm.weight", s, (hd, 1)),
+                )
             add(h + "post_attention_layernorm.weight", (H,), rep(p + "pre_mlp_layernorm.weight", s, (H, 1)))
 
-            def mlp(mp: str, hp: str, F: int, tt: int, group: str, member: int | None):
+            def mlp(mp: str, hp: str, F: int, tt: int, group: str, member: int | None, s: int = s):
                 fc1, fc2 = mp + "linear_fc1.weight", mp + "linear_fc2.weight"
                 if member is None:  # TP-sharded
                     for w in ("gate", "up"):
-                        add(hp + f"{w}_proj.weight", (F, H), rows_src(fc1, s, (2 * F // tt, H), _fc1_map(F, tt, w), group, tt))
+                        add(
+                            hp + f"{w}_proj.weight",
+                            (F, H),
+                            rows_src(fc1, s, (2 * F // tt, H), _fc1_map(F, tt, w), group, tt),
+                        )
                     add(hp + "down_proj.weight", (H, F), cols_src(fc2, s, (H, F // tt), tt, group))
                 else:  # whole expert on EP member `member`
                     for w in ("gate", "up"):
@@ -283,9 +307,21 @@ def hf_tensors(cfg: ModelConfig, train: Parallel) -> dict[str, HFTensor]:
                         add(
                             hp + f"{w}_proj.weight",
                             (F, H),
-                            Source(fc1, s, group, (2 * F, H), "rows", 1, lambda r, o=off, m=member: (np.full_like(r, m), r + o)),
+                            Source(
+                                fc1,
+                                s,
+                                group,
+                                (2 * F, H),
+                                "rows",
+                                1,
+                                _owner_map(member, off),
+                            ),
                         )
-                    add(hp + "down_proj.weight", (H, F), Source(fc2, s, group, (H, F), "whole", 1, None, member))
+                    add(
+                        hp + "down_proj.weight",
+                        (H, F),
+                        Source(fc2, s, group, (H, F), "whole", 1, None, member),
+                    )
 
             if not cfg.is_moe:
                 mlp(p + "mlp.", h + "mlp.", cfg.intermediate_size, t, "tp", None)
@@ -301,11 +337,26 @@ def hf_tensors(cfg: ModelConfig, train: Parallel) -> dict[str, HFTensor]:
                 else:
                     mlp(mp, hp, cfg.moe_intermediate_size, train.expert_tp, "tp", None)
             if cfg.shared_expert_intermediate_size:
-                mlp(p + "mlp.shared_experts.", h + "mlp.shared_expert.", cfg.shared_expert_intermediate_size, t, "tp", None)
-                add(h + "mlp.shared_expert_gate.weight", (1, H), rep(p + "mlp.shared_experts.gate_weight", s, (1, H)))
+                mlp(
+                    p + "mlp.shared_experts.",
+                    h + "mlp.shared_expert.",
+                    cfg.shared_expert_intermediate_size,
+                    t,
+                    "tp",
+                    None,
+                )
+                add(
+                    h + "mlp.shared_expert_gate.weight",
+                    (1, H),
+                    rep(p + "mlp.shared_experts.gate_weight", s, (1, H)),
+                )
     add("model.norm.weight", (H,), rep("decoder.final_layernorm.weight", last, (H, 1)))
     if not cfg.tie_word_embeddings:
-        add("lm_head.weight", (V, H), rows_src("output_layer.weight", last, (vpad // t, H), _plain_map(vpad // t)))
+        add(
+            "lm_head.weight",
+            (V, H),
+            rows_src("output_layer.weight", last, (vpad // t, H), _plain_map(vpad // t)),
+        )
     return out
 
 
@@ -379,26 +430,42 @@ def vllm_targets(cfg: ModelConfig, hf: dict[str, HFTensor], infer: Parallel, ran
             out.append(_whole(hf[h + "self_attn.k_norm.weight"]))
         out.append(_whole(hf[h + "post_attention_layernorm.weight"]))
         if not cfg.is_moe:
-            out.append(col_split([h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], h + "mlp.gate_up_proj.weight", H))
+            out.append(
+                col_split(
+                    [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], h + "mlp.gate_up_proj.weight", H
+                )
+            )
             out.append(row_split(h + "mlp.down_proj.weight", h + "mlp.down_proj.weight"))
             continue
         out.append(_whole(hf[h + "mlp.gate.weight"]))
         E, Fm = cfg.num_experts, cfg.moe_intermediate_size
         if infer.ep > 1:
-            El, experts, et, er = E // infer.ep, range(rank * (E // infer.ep), (rank + 1) * (E // infer.ep)), 1, 0
+            El, experts, et, er = (
+                E // infer.ep,
+                range(rank * (E // infer.ep), (rank + 1) * (E // infer.ep)),
+                1,
+                0,
+            )
         else:
             El, experts, et, er = E, range(E), t, rank
         f = Fm // et
-        w13, w2 = Target(h + "mlp.experts.w13_weight", (El, 2 * f, H)), Target(h + "mlp.experts.w2_weight", (El, H, f))
+        w13, w2 = (
+            Target(h + "mlp.experts.w13_weight", (El, 2 * f, H)),
+            Target(h + "mlp.experts.w2_weight", (El, H, f)),
+        )
         for k, e in enumerate(experts):
             x = h + f"mlp.experts.{e}."
-            w13.pieces.append(Piece(x + "gate_proj.weight", er * f, f, 0, H, k * 2 * f))  # w1 = gate, first half
+            w13.pieces.append(
+                Piece(x + "gate_proj.weight", er * f, f, 0, H, k * 2 * f)
+            )  # w1 = gate, first half
             w13.pieces.append(Piece(x + "up_proj.weight", er * f, f, 0, H, k * 2 * f + f))  # w3 = up
             w2.pieces.append(Piece(x + "down_proj.weight", 0, H, er * f, f, k * H))
         out += [w13, w2]
         if cfg.shared_expert_intermediate_size:
             s = h + "mlp.shared_expert."
-            out.append(col_split([s + "gate_proj.weight", s + "up_proj.weight"], s + "gate_up_proj.weight", H))
+            out.append(
+                col_split([s + "gate_proj.weight", s + "up_proj.weight"], s + "gate_up_proj.weight", H)
+            )
             out.append(row_split(s + "down_proj.weight", s + "down_proj.weight"))
             out.append(_whole(hf[h + "mlp.shared_expert_gate.weight"]))
     out.append(_whole(hf["model.norm.weight"]))

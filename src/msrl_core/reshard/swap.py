@@ -54,8 +54,18 @@ def _group_rank(g) -> int:
     return 0 if g is None else dist.get_rank(group=g)
 
 
+def _all_gather_single(out, inp, group) -> None:
+    import torch.distributed as dist
+
+    # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 def _normalize_params(train_params) -> dict[str, Any]:
-    items = train_params.named_parameters() if hasattr(train_params, "named_parameters") else train_params.items()
+    items = (
+        train_params.named_parameters() if hasattr(train_params, "named_parameters") else train_params.items()
+    )
     out: dict[str, Any] = {}
     for name, p in items:
         n = name
@@ -117,7 +127,9 @@ class Swap:
         """Re-materialise the training storages and copy the host mirrors back, on the engine's H2D lane,
         after work already queued on ``stream``. Returns immediately; call :meth:`wait` before training."""
         if self._state != "swapped_out":
-            raise SwapStateError(f"swap_back called twice (state is {self._state!r}); the weights are already back")
+            raise SwapStateError(
+                f"swap_back called twice (state is {self._state!r}); the weights are already back"
+            )
         import torch
 
         self._t0 = time.perf_counter()
@@ -177,14 +189,20 @@ def _check_params(plan: ReshardPlan, params: dict[str, Any], stage: int) -> None
     missing = [n for n in want if n not in params]
     extra = [n for n in params if n not in want]
     if missing:
-        raise ReshardError(f"missing training parameter {missing[0]!r} (stage {stage}; {len(missing)} missing)")
+        raise ReshardError(
+            f"missing training parameter {missing[0]!r} (stage {stage}; {len(missing)} missing)"
+        )
     if extra:
-        raise ReshardError(f"unexpected training parameter {extra[0]!r} (stage {stage}); not in the {plan.cfg.arch} layout")
+        raise ReshardError(
+            f"unexpected training parameter {extra[0]!r} (stage {stage}); not in the {plan.cfg.arch} layout"
+        )
     dt = getattr(torch, plan.cfg.dtype)
     for n, shape in want.items():
         p = params[n]
         if tuple(p.shape) != tuple(shape):
-            raise ReshardError(f"training parameter {n!r} has shape {tuple(p.shape)}, the layout expects {tuple(shape)}")
+            raise ReshardError(
+                f"training parameter {n!r} has shape {tuple(p.shape)}, the layout expects {tuple(shape)}"
+            )
         if p.dtype != dt:
             raise ReshardError(f"training parameter {n!r} has dtype {p.dtype}, the plan expects {dt}")
         if p.untyped_storage().nbytes() == 0:
@@ -212,9 +230,13 @@ def _infer_flat(plan: ReshardPlan, infer: Any, infer_rank: int):
         base = st.data_ptr()
         for n, (off, shape) in layout.items():
             t = infer[n]
-            if t.untyped_storage().data_ptr() != base or t.data_ptr() - base != off or tuple(t.shape) != tuple(shape):
+            if (
+                t.untyped_storage().data_ptr() != base
+                or t.data_ptr() - base != off
+                or tuple(t.shape) != tuple(shape)
+            ):
                 raise ReshardError(
-                    f"inference tensor {n!r} is not the view at byte {off} with shape {tuple(shape)} of one flat "
+                    f"inference tensor {n!r} is not the view at byte {off}, shape {tuple(shape)} of one flat "
                     "buffer; allocate with plan.allocate_inference()"
                 )
         return _bytes_view(st, t0.device), dict(infer)
@@ -246,7 +268,9 @@ def allgather_swap(
     import torch.distributed as dist
 
     if plan._active is not None:
-        raise SwapStateError("a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()")
+        raise SwapStateError(
+            "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
+        )
     t_start = time.perf_counter()
     _check_groups(plan, groups)
     stage = _group_rank(groups.get("pp"))
@@ -301,15 +325,20 @@ def allgather_swap(
                     gathered = scratch[:gb]
                 else:
                     send = gathered = scratch[:gb]
-                dst_views = [send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params]
-                srcs = [params[name].view(shape[0], -1)[r0:r1].reshape(-1) for name, shape, _, _, r0, r1 in b.params]
+                dst_views = [
+                    send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params
+                ]
+                srcs = [
+                    params[name].view(shape[0], -1)[r0:r1].reshape(-1)
+                    for name, shape, _, _, r0, r1 in b.params
+                ]
                 torch._foreach_copy_(dst_views, srcs)
                 if b.members > 1:
-                    dist.all_gather_into_tensor(gathered, send, group=groups[b.group])
+                    _all_gather_single(gathered, send, group=groups[b.group])
                     gathered_total += gb - b.local_bytes
             else:
                 gathered = scratch[:gb]
-            if plan.train.pp > 1:
+            if pp_group is not None:
                 dist.broadcast(gathered, src=dist.get_global_rank(pp_group, b.stage), group=pp_group)
                 if b.stage != stage:
                     gathered_total += gb
@@ -320,8 +349,15 @@ def allgather_swap(
             t_gather += t1 - t0
         cur = None
     except Exception as e:
-        what = f"bucket {cur.index} (stage {cur.stage}, params {', '.join(cur.names[:4])}{'...' if len(cur.names) > 4 else ''})" if cur else "setup"
-        raise ReshardError(f"allgather_swap failed in {what}: {type(e).__name__}: {e}; training weights untouched") from e
+        what = (
+            f"bucket {cur.index} (stage {cur.stage}, params {', '.join(cur.names[:4])}"
+            + ("...)" if len(cur.names) > 4 else ")")
+            if cur
+            else "setup"
+        )
+        raise ReshardError(
+            f"allgather_swap failed in {what}: {type(e).__name__}: {e}; training weights untouched"
+        ) from e
     finally:
         del scratch, send
     meter.sub(scratch_bytes)
@@ -343,7 +379,7 @@ def allgather_swap(
         t0 = time.perf_counter()
         done: list[tuple[str, Any, int, Any]] = []
         try:
-            for n, st, nbytes, dev in storages:
+            for n, _, nbytes, _ in storages:
                 m = mirrors.get(n)
                 if m is None or m.nbytes < nbytes:
                     m = mirrors[n] = pool.allocate(nbytes)
@@ -360,9 +396,13 @@ def allgather_swap(
         except Exception as e:
             for n, st, nbytes, dev in done:  # restore what was freed
                 st.resize_(nbytes)
-                engine.copy(_bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)).wait(60.0)
+                engine.copy(
+                    _bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
+                ).wait(60.0)
             name = storages[len(done)][0] if len(done) < len(storages) else "?"
-            raise ReshardError(f"swap-out failed at parameter {name!r}: {type(e).__name__}: {e}; training weights restored") from e
+            raise ReshardError(
+                f"swap-out failed at parameter {name!r}: {type(e).__name__}: {e}; training weights restored"
+            ) from e
         dt = time.perf_counter() - t0
         tele.update(swap_out_s=dt, swap_out_gbps=train_bytes / dt / 1e9 if dt > 0 else float("inf"))
         tele["freed_bytes"] = sum(nb for _, st, nb, _ in storages if st.nbytes() == 0)
@@ -422,7 +462,12 @@ def naive_reshard(train_params: Any, plan: ReshardPlan, groups: Mapping[str, Any
     hf = reference.megatron_to_hf(plan.cfg, tr, shards)
     out = hf if plan.layout == "hf" else reference.hf_to_vllm(plan.cfg, plan.infer, infer_rank, hf)
     live: dict[int, int] = {}
-    for t in list(params.values()) + [t for d in shards.values() for t in d.values()] + list(hf.values()) + list(out.values()):
+    for t in (
+        list(params.values())
+        + [t for d in shards.values() for t in d.values()]
+        + list(hf.values())
+        + list(out.values())
+    ):
         st = t.untyped_storage()
         live[st.data_ptr()] = st.nbytes()
     return out, int(sum(live.values()))
