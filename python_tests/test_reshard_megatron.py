@@ -198,3 +198,38 @@ def test_bad_groups_rejected_before_any_collective(results):
             e["wrong_group_size"]["raised"] == "ReshardError" and "has size 2" in e["wrong_group_size"]["msg"]
         )
         assert all(v["intact"] for v in e.values())
+
+
+# TP and PP together needs 4 processes: one case, its own workers
+CASE_TP2_PP2 = dict(
+    name="qwen2_tp2_pp2_untied",
+    tp=2,
+    pp=2,
+    vllm_tp=2,
+    model=dict(
+        arch="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        qkv_bias=True,
+        hidden_size=64,
+        num_layers=4,
+        intermediate_size=96,
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def results_tp2_pp2():
+    return mh.run([CASE_TP2_PP2], world=4, timeout=400)
+
+
+def test_tp2_pp2_four_processes(results_tp2_pp2):
+    per_rank = _ok(results_tp2_pp2, CASE_TP2_PP2["name"])
+    with_logits = [r for r in per_rank if "logits_max_abs_diff" in r]
+    assert len(with_logits) == 2  # the two TP ranks of the last stage
+    for r in with_logits:
+        assert r["logits_max_abs_diff"] <= TOL and r["logits_scale"] > 0.5
+    for r in per_rank:
+        assert r["freed_all"] and r["restored_equal"]
+        assert r["vllm_names_equal"] and r["vllm_mismatch"] == [] and r["vllm_restored_equal"]
