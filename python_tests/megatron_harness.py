@@ -337,7 +337,9 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         hf_full = {k: v.clone() for k, v in views.items()}
         vplan = megatron_to_vllm(cfg, train, Parallel(tp=ti, ep=case.get("vllm_ep", 1)))
         vflat, vviews = vplan.allocate_inference(infer_rank=rank % ti)
-        vs = msrl_core.allgather_swap(model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True)
+        vs = msrl_core.allgather_swap(
+            model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True, gather=case.get("gather", "auto")
+        )
         exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
         res["vllm_names_equal"] = sorted(exp) == sorted(vviews)
         res["vllm_mismatch"] = [n for n in exp if n in vviews and not torch.equal(exp[n], vviews[n])]

@@ -25,6 +25,7 @@ CASES = [
         tp=2,
         vllm_tp=2,
         errors=True,
+        gather="all_gather",  # the collective path (NCCL/HCCL default); other cases use p2p (gloo default)
         model=dict(
             arch="qwen2",
             num_attention_heads=8,
@@ -174,6 +175,10 @@ def test_vllm_layout_over_real_groups(results, name):
     for r in _ok(results, name):
         assert r["vllm_names_equal"] and r["vllm_mismatch"] == []
         assert r["vllm_telemetry"]["verified_infer"]
+        want = "all_gather" if name == "qwen2_kv4_bias_untied_padded" else "p2p"
+        case = next(c for c in CASES if c["name"] == name)
+        if case.get("tp", 1) > 1 or case.get("ep", 1) > 1:
+            assert r["vllm_telemetry"]["gather"] == want
         assert r["vllm_restored_equal"]
 
 

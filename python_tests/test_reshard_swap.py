@@ -155,6 +155,14 @@ def test_bad_parameter_set_names_the_parameter_and_leaves_weights_intact(setup, 
     assert plan._active is None
 
 
+def test_unknown_gather_mode_is_rejected(setup):
+    plan, params, snap = setup
+    flat, _ = plan.allocate_inference()
+    with pytest.raises(ReshardError, match="gather must be"):
+        allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, gather="ring")
+    assert intact(params, snap)
+
+
 def test_inference_views_must_come_from_one_flat_buffer(setup):
     plan, params, snap = setup
     _, views = plan.allocate_inference()
@@ -241,3 +249,44 @@ def test_memory_accounting_versus_naive_path():
     assert t["bucket_bytes"] <= 256 << 10  # large params are split into row chunks
     assert naive >= 1.8 * t["peak_bytes"], (naive, t["peak_bytes"])
     print(f"peak {t['peak_bytes']} naive {naive} ratio {naive / t['peak_bytes']:.2f}")
+
+
+def test_te_spec_and_grouped_expert_names_are_accepted():
+    from msrl_core.reshard.spec import canonical_megatron_name
+
+    assert (
+        canonical_megatron_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+        == "decoder.layers.3.input_layernorm.weight"
+    )
+    assert (
+        canonical_megatron_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
+        == "decoder.layers.0.pre_mlp_layernorm.weight"
+    )
+    assert (
+        canonical_megatron_name("decoder.layers.1.mlp.experts.linear_fc2.weight7")
+        == "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"
+    )
+
+
+def test_module_with_ddp_style_prefix_is_accepted(setup):
+    plan, params, snap = setup
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Module()
+            for k, p in params.items():  # register under nested names "module.<megatron name>"
+                parent = self.module
+                *path, leaf = k.split(".")
+                for part in path:
+                    if not hasattr(parent, part):
+                        parent.add_module(part, torch.nn.Module())
+                    parent = getattr(parent, part)
+                parent.register_parameter(leaf, p)
+
+    m = Wrapped()
+    flat, views = plan.allocate_inference()
+    s = allgather_swap(m, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.parameters())
+    s.swap_back().wait()
+    assert intact(params, snap)
