@@ -431,11 +431,13 @@ def allgather_swap(
                 if m is None or m.nbytes < nbytes:
                     m = mirrors[n] = pool.allocate(nbytes)
             tickets = []
+            t_copy0 = time.perf_counter()
             for n, st, nbytes, dev in storages:
                 dst = torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
                 tickets.append(engine.copy(dst, _bytes_view(st, dev)))
             for t in tickets:
                 t.wait(60.0)
+            t_copied = time.perf_counter()
             for n, st, nbytes, dev in storages:
                 st.resize_(0)
                 done.append((n, st, nbytes, dev))
@@ -451,7 +453,10 @@ def allgather_swap(
                 f"swap-out failed at parameter {name!r}: {type(e).__name__}: {e}; training weights restored"
             ) from e
         dt = time.perf_counter() - t0
+        dc = t_copied - t_copy0
         tele.update(swap_out_s=dt, swap_out_gbps=train_bytes / dt / 1e9 if dt > 0 else float("inf"))
+        # the device->host copies alone (swap_out_s adds mirror lookup and freeing the storages)
+        tele.update(swap_out_copy_s=dc, swap_out_copy_gbps=train_bytes / dc / 1e9 if dc > 0 else float("inf"))
         tele["freed_bytes"] = sum(nb for _, st, nb, _ in storages if st.nbytes() == 0)
     else:
         tele["freed_bytes"] = 0
