@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, ReshardError, megatron_to_vllm, reference, to_hf
@@ -328,3 +330,46 @@ def test_model_config_errors_and_from_hf():
         )
     )
     assert (c.arch, c.qkv_bias, c.hd, c.num_key_value_heads) == ("qwen2", True, 16, 2)
+
+
+@st.composite
+def _dense_case(draw):
+    hd = draw(st.sampled_from([2, 4, 8]))
+    ng = draw(st.sampled_from([1, 2, 4]))
+    qpg = draw(st.sampled_from([1, 2, 3]))
+    nh = ng * qpg
+    arch = draw(st.sampled_from(["llama", "qwen2", "qwen3"]))
+    ttp = draw(st.sampled_from([t for t in (1, 2, 4) if nh % t == 0 and (ng % t == 0 or t % ng == 0)]))
+    itp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if nh % t == 0 and (ng % t == 0 or t % ng == 0)]))
+    cfg = ModelConfig(
+        arch,
+        hidden_size=draw(st.sampled_from([8, 16])),
+        num_layers=2,
+        num_attention_heads=nh,
+        num_key_value_heads=ng,
+        head_dim=hd,
+        intermediate_size=8 * 8,
+        vocab_size=draw(st.integers(64, 300)) if itp <= 1 else 64 * itp * draw(st.integers(1, 3)) - 5,
+        qkv_bias=draw(st.booleans()),
+        tie_word_embeddings=draw(st.booleans()),
+        qk_norm=arch == "qwen3",
+        make_vocab_size_divisible_by=draw(st.sampled_from([1, 8, 128])),
+    )
+    pp = draw(st.sampled_from([1, 2]))
+    return cfg, Parallel(tp=ttp, pp=pp), Parallel(tp=itp), draw(st.sampled_from([64, 512, 1 << 20]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_dense_case(), st.integers(0, 7))
+def test_random_layouts_match_vllm_rules(case, rank_seed):
+    """Property: for random head/kv/TP/PP/vocab/bucket combinations the plan equals vLLM's loader rules."""
+    cfg, tr, infer, bucket = case
+    plan = megatron_to_vllm(cfg, tr, infer)
+    sh = random_shards(plan, seed=rank_seed)
+    hf = reference.megatron_to_hf(cfg, tr, sh)
+    rank = rank_seed % infer.tp
+    got = run_plan_numpy(plan, sh, rank, bucket)
+    exp = vllm_expected(cfg, infer, rank, hf)
+    assert sorted(got) == sorted(exp)
+    for k in exp:
+        assert torch.equal(got[k], exp[k]), k
