@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 JOBS ?= 2
 PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 
-.PHONY: setup apt venv install build-tests build-asan build-bench cpp-test cpp-asan py-test lint bench demo test clean
+.PHONY: setup apt venv install build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
 
 setup: apt install
 
@@ -36,6 +36,11 @@ build-asan: apt venv
 	  -DMSRL_BUILD_TESTS=ON -DMSRL_SANITIZE=ON >/dev/null
 	cmake --build build/asan -j $(JOBS)
 
+build-tsan: apt venv
+	cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMSRL_BUILD_PYTHON=OFF \
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_TSAN=ON >/dev/null
+	cmake --build build/tsan -j $(JOBS) --target msrl_cpp_tests
+
 build-bench: venv
 	cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSRL_BUILD_PYTHON=OFF -DMSRL_BUILD_BENCH=ON >/dev/null
 	cmake --build build/bench -j $(JOBS) --target msrl_bandwidth
@@ -46,6 +51,11 @@ cpp-test: build-tests
 cpp-asan: build-asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir build/asan --output-on-failure -j $(JOBS)
+
+# ThreadSanitizer over the concurrent parts: streams and events, the pool, the engine, the dock.
+cpp-tsan: build-tsan
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build/tsan/cpp_tests/msrl_cpp_tests \
+	  --gtest_filter='HostRuntime.*:PinnedPool.*:CopyEngine.*:Controller*.*:Warehouse*.*:Dock*.*'
 
 lint: venv
 	$(VPY) -m ruff check src python_tests bench examples
@@ -63,7 +73,7 @@ demo: setup build-bench
 	build/bench/bench/msrl_bandwidth --reps 5
 	$(VPY) examples/core_demo.py
 
-test: setup lint cpp-test cpp-asan py-test
+test: setup lint cpp-test cpp-asan cpp-tsan py-test
 
 clean:
 	rm -rf build dist $(VENV)

@@ -94,12 +94,17 @@ int main(int argc, char** argv) {
   size_t big = size_t{1} << 30;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--device" && i + 1 < argc) device = argv[++i];
-    else if (a == "--reps" && i + 1 < argc) g_reps = std::atoi(argv[++i]);
-    else if (a == "--bytes" && i + 1 < argc) big = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--only" && i + 1 < argc) g_only = argv[++i];
+    if (a == "--device" && i + 1 < argc)
+      device = argv[++i];
+    else if (a == "--reps" && i + 1 < argc)
+      g_reps = std::atoi(argv[++i]);
+    else if (a == "--bytes" && i + 1 < argc)
+      big = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--only" && i + 1 < argc)
+      g_only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--device auto|host|cuda|npu] [--reps N] [--bytes N] [--only SUBSTRING]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--device auto|host|cuda|npu] [--reps N] [--bytes N] [--only SUBSTRING]\n",
+                   argv[0]);
       return 1;
     }
   }
@@ -114,15 +119,19 @@ int main(int argc, char** argv) {
       HostBuf src(big), back(big);
       auto pinned = pool->allocate(big);
       fill(src.p, big, 1);
-      double base = median_seconds([&] {
-        std::memcpy(pinned->data(), src.p, big);
-        std::memcpy(back.p, pinned->data(), big);
-      }, g_reps);
+      double base = median_seconds(
+          [&] {
+            std::memcpy(pinned->data(), src.p, big);
+            std::memcpy(back.p, pinned->data(), big);
+          },
+          g_reps);
       std::memset(back.p, 0, big);
-      double secs = median_seconds([&] {
-        engine.wait(*engine.copy(pinned->data(), src.p, big, CopyKind::kHostToHost), timeout);
-        engine.wait(*engine.copy(back.p, pinned->data(), big, CopyKind::kHostToHost), timeout);
-      }, g_reps);
+      double secs = median_seconds(
+          [&] {
+            engine.wait(*engine.copy(pinned->data(), src.p, big, CopyKind::kHostToHost), timeout);
+            engine.wait(*engine.copy(back.p, pinned->data(), big, CopyKind::kHostToHost), timeout);
+          },
+          g_reps);
       check(std::memcmp(src.p, back.p, big) == 0, "roundtrip data");
       report("pageable_pinned_pageable_roundtrip", *rt, 2.0 * big, secs, "memcpy", base);
     }
@@ -134,39 +143,50 @@ int main(int argc, char** argv) {
     auto pinned = pool->allocate(n);
     std::memcpy(pinned->data(), pageable.p, n);
     DevBuf dev(*rt, n);
-    double base_pinned_h2d = median_seconds([&] { rt->memcpy_async(dev.p, pinned->data(), n, CopyKind::kHostToDevice, nullptr); }, g_reps);
+    double base_pinned_h2d =
+        median_seconds([&] { rt->memcpy_async(dev.p, pinned->data(), n, CopyKind::kHostToDevice, nullptr); }, g_reps);
     auto engine_case = [&](const std::string& name, void* dst, const void* src, CopyKind kind, double base,
                            const std::string& base_name) {
       if (!wanted(name)) return;
       double secs = median_seconds([&] { engine.wait(*engine.copy(dst, src, n, kind), timeout); }, g_reps);
       report(name, *rt, n, secs, base_name, base);
     };
-    engine_case("h2d_pinned", dev.p, pinned->data(), CopyKind::kHostToDevice, base_pinned_h2d, "runtime_sync_copy_pinned");
-    if (wanted("h2d_pinned")) check(readback(*rt, dev.p, n) == std::vector<char>(pageable.p, pageable.p + n), "h2d_pinned data");
-    engine_case("d2h_pinned", pinned->data(), dev.p, CopyKind::kDeviceToHost, base_pinned_h2d, "runtime_sync_copy_pinned");
-    double base_pageable = median_seconds([&] { rt->memcpy_async(dev.p, pageable.p, n, CopyKind::kHostToDevice, nullptr); }, g_reps);
-    engine_case("h2d_pageable", dev.p, pageable.p, CopyKind::kHostToDevice, base_pageable, "runtime_sync_copy_pageable");
-    if (wanted("h2d_pageable")) check(readback(*rt, dev.p, n) == std::vector<char>(pageable.p, pageable.p + n), "h2d_pageable data");
-    engine_case("d2h_pageable", pageable_back.p, dev.p, CopyKind::kDeviceToHost, base_pageable, "runtime_sync_copy_pageable");
+    engine_case("h2d_pinned", dev.p, pinned->data(), CopyKind::kHostToDevice, base_pinned_h2d,
+                "runtime_sync_copy_pinned");
+    if (wanted("h2d_pinned"))
+      check(readback(*rt, dev.p, n) == std::vector<char>(pageable.p, pageable.p + n), "h2d_pinned data");
+    engine_case("d2h_pinned", pinned->data(), dev.p, CopyKind::kDeviceToHost, base_pinned_h2d,
+                "runtime_sync_copy_pinned");
+    double base_pageable =
+        median_seconds([&] { rt->memcpy_async(dev.p, pageable.p, n, CopyKind::kHostToDevice, nullptr); }, g_reps);
+    engine_case("h2d_pageable", dev.p, pageable.p, CopyKind::kHostToDevice, base_pageable,
+                "runtime_sync_copy_pageable");
+    if (wanted("h2d_pageable"))
+      check(readback(*rt, dev.p, n) == std::vector<char>(pageable.p, pageable.p + n), "h2d_pageable data");
+    engine_case("d2h_pageable", pageable_back.p, dev.p, CopyKind::kDeviceToHost, base_pageable,
+                "runtime_sync_copy_pageable");
     if (wanted("d2h_pageable")) check(std::memcmp(pageable_back.p, pageable.p, n) == 0, "d2h_pageable data");
     if (wanted("h2d_registered")) {
       HostBuf reg_buf(n);
       std::memcpy(reg_buf.p, pageable.p, n);
       auto reg = pool->register_buffer(reg_buf.p, n);
-      engine_case("h2d_registered", dev.p, reg_buf.p, CopyKind::kHostToDevice, base_pinned_h2d, "runtime_sync_copy_pinned");
+      engine_case("h2d_registered", dev.p, reg_buf.p, CopyKind::kHostToDevice, base_pinned_h2d,
+                  "runtime_sync_copy_pinned");
       check(readback(*rt, dev.p, n) == std::vector<char>(pageable.p, pageable.p + n), "h2d_registered data");
     }
     if (wanted("h2d_2d")) {
       // A 2-D copy of half of every 8 KiB row of pinned memory, vs a 1-D copy of the same bytes.
       size_t row = 4096, rows = n / (2 * row);
       auto plan = std::make_shared<CopyPlan>(std::vector<CopyDescriptor>{{0, 0, rows, row, 2 * row, row}});
-      double base = median_seconds([&] { rt->memcpy_async(dev.p, pinned->data(), rows * row, CopyKind::kHostToDevice, nullptr); }, g_reps);
-      double secs = median_seconds([&] {
-        engine.wait(*engine.execute(plan, dev.p, n, pinned->data(), n, CopyKind::kHostToDevice), timeout);
-      }, g_reps);
+      double base = median_seconds(
+          [&] { rt->memcpy_async(dev.p, pinned->data(), rows * row, CopyKind::kHostToDevice, nullptr); }, g_reps);
+      double secs = median_seconds(
+          [&] { engine.wait(*engine.execute(plan, dev.p, n, pinned->data(), n, CopyKind::kHostToDevice), timeout); },
+          g_reps);
       auto got = readback(*rt, dev.p, rows * row);
       bool ok = true;
-      for (size_t r = 0; r < rows && ok; r += 97) ok = std::memcmp(got.data() + r * row, pageable.p + r * 2 * row, row) == 0;
+      for (size_t r = 0; r < rows && ok; r += 97)
+        ok = std::memcmp(got.data() + r * row, pageable.p + r * 2 * row, row) == 0;
       check(ok, "h2d_2d data");
       report("h2d_2d", *rt, rows * row, secs, "runtime_sync_copy_1d_same_bytes", base);
     }
@@ -179,17 +199,20 @@ int main(int argc, char** argv) {
       fill(src.p, src_bytes, 3);
       auto plan = std::make_shared<CopyPlan>(descs);
       double base = median_seconds([&] { std::memcpy(flat.p, src.p, plan->bytes()); }, g_reps);
-      double secs = median_seconds([&] {
-        engine.wait(*engine.execute(plan, dst.p, dst_bytes, src.p, src_bytes, CopyKind::kHostToHost), timeout);
-      }, g_reps);
+      double secs = median_seconds(
+          [&] {
+            engine.wait(*engine.execute(plan, dst.p, dst_bytes, src.p, src_bytes, CopyKind::kHostToHost), timeout);
+          },
+          g_reps);
       bool ok = true;
       for (const auto& d : descs)
         for (uint64_t r = 0; r < d.rows && ok; ++r)
-          ok = std::memcmp(dst.p + d.dst_offset + r * d.dst_pitch, src.p + d.src_offset + r * d.src_pitch, d.row_bytes) == 0;
+          ok = std::memcmp(dst.p + d.dst_offset + r * d.dst_pitch, src.p + d.src_offset + r * d.src_pitch,
+                           d.row_bytes) == 0;
       check(ok, name + " data");
       report(name, *rt, static_cast<double>(plan->bytes()), secs, "memcpy_same_bytes", base,
-             extra + ", \"descriptors_in\": " + std::to_string(descs.size()) + ", \"descriptors_coalesced\": " +
-                 std::to_string(plan->descriptors().size()));
+             extra + ", \"descriptors_in\": " + std::to_string(descs.size()) +
+                 ", \"descriptors_coalesced\": " + std::to_string(plan->descriptors().size()));
     };
     {
       // 10,000 slices of 4 KiB taken every 8 KiB (a strided gather), and the same slices in random order.

@@ -101,16 +101,11 @@ class Device {
     bool dst_host = !contains(device_, dst, 1);
     bool src_host = !contains(device_, src, 1);
     switch (kind) {
-      case 0:
-        return dst_host && src_host;
-      case 1:
-        return dst_dev && src_host;
-      case 2:
-        return dst_host && src_dev;
-      case 3:
-        return dst_dev && src_dev;
-      default:
-        return false;
+      case 0: return dst_host && src_host;
+      case 1: return dst_dev && src_host;
+      case 2: return dst_host && src_dev;
+      case 3: return dst_dev && src_dev;
+      default: return false;
     }
   }
   void copy2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height, void* stream) {

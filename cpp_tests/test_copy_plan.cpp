@@ -25,7 +25,8 @@ std::vector<uint8_t> reference(const std::vector<CopyDescriptor>& descs, const s
                                std::vector<uint8_t> dst) {
   for (const auto& d : descs)
     for (uint64_t r = 0; r < d.rows; ++r)
-      for (uint64_t b = 0; b < d.row_bytes; ++b) dst[d.dst_offset + r * d.dst_pitch + b] = src[d.src_offset + r * d.src_pitch + b];
+      for (uint64_t b = 0; b < d.row_bytes; ++b)
+        dst[d.dst_offset + r * d.dst_pitch + b] = src[d.src_offset + r * d.src_pitch + b];
   return dst;
 }
 }  // namespace

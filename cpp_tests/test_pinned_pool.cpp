@@ -48,7 +48,7 @@ TEST(PinnedPool, ReusesBlocksAndAccounts) {
 TEST(PinnedPool, CapacityIsEnforcedAfterTrimmingCache) {
   auto pool = PinnedPool::create(make_host_runtime(), 8 << 20);
   { auto a = pool->allocate(4 << 20); }  // cached now
-  auto b = pool->allocate(6 << 20);       // needs the cache trimmed to fit
+  auto b = pool->allocate(6 << 20);      // needs the cache trimmed to fit
   EXPECT_EQ(pool->stats().cached, 0u);
   try {
     pool->allocate(4 << 20);

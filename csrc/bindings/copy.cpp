@@ -65,7 +65,8 @@ void bind_copy(py::module_& m) {
       .def(py::init([](py::array_t<int64_t, py::array::c_style | py::array::forcecast> descs) {
              MSRL_CHECK(descs.ndim() == 2 && descs.shape(1) == 6, kInvalidArgument,
                         "descriptors must have shape (N, 6) [src_offset, dst_offset, rows, row_bytes, src_pitch, "
-                        "dst_pitch], got ndim=", descs.ndim(), (descs.ndim() >= 2 ? " with " : ""),
+                        "dst_pitch], got ndim=",
+                        descs.ndim(), (descs.ndim() >= 2 ? " with " : ""),
                         (descs.ndim() >= 2 ? std::to_string(descs.shape(1)) + " columns" : std::string()));
              size_t n = static_cast<size_t>(descs.shape(0));
              const int64_t* raw = descs.data();
@@ -84,7 +85,8 @@ void bind_copy(py::module_& m) {
                              [](const CopyPlan& p) {
                                const auto& d = p.descriptors();
                                py::array_t<uint64_t> out({static_cast<py::ssize_t>(d.size()), py::ssize_t{6}});
-                               if (!d.empty()) std::memcpy(out.mutable_data(), d.data(), d.size() * sizeof(CopyDescriptor));
+                               if (!d.empty())
+                                 std::memcpy(out.mutable_data(), d.data(), d.size() * sizeof(CopyDescriptor));
                                return out;
                              })
       .def_property_readonly("input_count", &CopyPlan::input_count)
@@ -108,8 +110,7 @@ void bind_copy(py::module_& m) {
           py::arg("timeout") = 60.0);
 
   py::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
-      .def(py::init([](const std::shared_ptr<PyRuntime>& runtime, int64_t chunk_bytes, bool force_bounce,
-                       int device) {
+      .def(py::init([](const std::shared_ptr<PyRuntime>& runtime, int64_t chunk_bytes, bool force_bounce, int device) {
              MSRL_CHECK(runtime != nullptr, kInvalidArgument, "runtime is None");
              EngineOptions o;
              o.chunk_bytes = checked_size(chunk_bytes, "chunk_bytes");
@@ -117,8 +118,7 @@ void bind_copy(py::module_& m) {
              o.device = device;
              return std::make_shared<CopyEngine>(runtime->rt, o);
            }),
-           py::arg("runtime"), py::arg("chunk_bytes") = 8 << 20, py::arg("force_bounce") = false,
-           py::arg("device") = 0)
+           py::arg("runtime"), py::arg("chunk_bytes") = 8 << 20, py::arg("force_bounce") = false, py::arg("device") = 0)
       .def(
           "copy",
           [](const std::shared_ptr<CopyEngine>& e, const py::int_& dst, const py::int_& src, int64_t nbytes,
@@ -146,8 +146,8 @@ void bind_copy(py::module_& m) {
             py::gil_scoped_release release;
             return PyTicket{e->execute(plan, d, dn, s, sn, k, a), e};
           },
-          py::arg("plan"), py::arg("dst"), py::arg("dst_bytes"), py::arg("src"), py::arg("src_bytes"),
-          py::arg("kind"), py::arg("after") = py::none())
+          py::arg("plan"), py::arg("dst"), py::arg("dst_bytes"), py::arg("src"), py::arg("src_bytes"), py::arg("kind"),
+          py::arg("after") = py::none())
       .def(
           "wait",
           [](const CopyEngine& e, const py::object& ticket, double timeout) {
@@ -176,7 +176,9 @@ void bind_copy(py::module_& m) {
           },
           py::arg("timeout") = 60.0)
       .def("stream_handle",
-           [](const CopyEngine& e, const std::string& kind) { return reinterpret_cast<uintptr_t>(e.stream(parse_kind(kind))); })
+           [](const CopyEngine& e, const std::string& kind) {
+             return reinterpret_cast<uintptr_t>(e.stream(parse_kind(kind)));
+           })
       .def("stats", [](const CopyEngine& e) { return engine_stats(e.stats()); });
 }
 

@@ -27,13 +27,15 @@ void bind_errors(py::module_& m) {
   if (g_base == nullptr) throw py::error_already_set();
   m.attr("MsrlError") = py::handle(g_base);
   auto set = [&](Code code, PyObject* cls) { g_by_code[static_cast<int>(code)] = cls; };
-  set(Code::kInvalidArgument, make_class(m, "InvalidArgument", PyExc_ValueError, "A bad argument; nothing was changed."));
+  set(Code::kInvalidArgument,
+      make_class(m, "InvalidArgument", PyExc_ValueError, "A bad argument; nothing was changed."));
   set(Code::kNotFound, make_class(m, "NotFound", PyExc_KeyError, "An unknown name, handle or ticket."));
   set(Code::kTimeout, make_class(m, "Timeout", PyExc_TimeoutError, "A wait passed its deadline."));
   set(Code::kOutOfMemory, make_class(m, "OutOfMemory", PyExc_MemoryError, "An allocation or capacity limit failed."));
   set(Code::kDeviceError, make_class(m, "DeviceError", PyExc_RuntimeError, "The device runtime reported an error."));
   set(Code::kClosed, make_class(m, "Closed", PyExc_RuntimeError, "Use of an object after close()."));
-  set(Code::kUnavailable, make_class(m, "Unavailable", PyExc_RuntimeError, "A backend is not present on this machine."));
+  set(Code::kUnavailable,
+      make_class(m, "Unavailable", PyExc_RuntimeError, "A backend is not present on this machine."));
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -100,14 +100,16 @@ void bind_memory(py::module_& m) {
           },
           py::arg("ptr"), py::arg("nbytes"))
       .def("stats", [](const PinnedPool& pool) { return stats_dict(pool.stats()); })
-      .def("trim", [](PinnedPool& pool) {
-        py::gil_scoped_release release;
-        pool.trim();
-      })
-      .def("close", [](PinnedPool& pool) {
-        py::gil_scoped_release release;
-        pool.close();
-      })
+      .def("trim",
+           [](PinnedPool& pool) {
+             py::gil_scoped_release release;
+             pool.trim();
+           })
+      .def("close",
+           [](PinnedPool& pool) {
+             py::gil_scoped_release release;
+             pool.close();
+           })
       .def_property_readonly("closed", &PinnedPool::closed)
       .def_static("size_class", [](int64_t n) { return PinnedPool::size_class(checked_size(n, "nbytes")); })
       .def_static("is_pinned", [](const py::int_& ptr, int64_t nbytes) {

@@ -25,10 +25,6 @@ std::string format(Code code, const std::string& message, const char* file, int 
 }  // namespace
 
 Error::Error(Code code, const std::string& message, const char* file, int line)
-    : std::runtime_error(format(code, message, file, line)),
-      code_(code),
-      message_(message),
-      file_(file),
-      line_(line) {}
+    : std::runtime_error(format(code, message, file, line)), code_(code), message_(message), file_(file), line_(line) {}
 
 }  // namespace msrl

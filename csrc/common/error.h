@@ -50,7 +50,7 @@ std::string concat(const Args&... args) {
 #define MSRL_THROW(code, ...) \
   throw ::msrl::Error(::msrl::Code::code, ::msrl::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
 
-#define MSRL_CHECK(cond, code, ...) \
-  do {                              \
+#define MSRL_CHECK(cond, code, ...)             \
+  do {                                          \
     if (!(cond)) MSRL_THROW(code, __VA_ARGS__); \
   } while (0)

@@ -236,9 +236,9 @@ std::shared_ptr<Ticket> CopyEngine::submit(CopyKind kind, uint64_t bytes, Stream
     std::lock_guard<std::mutex> lock(mu_);
     ticket.reset(new Ticket(rt_, id_, next_ticket_++, bytes, event));
     ++stats_.submitted;
-    (kind == CopyKind::kHostToDevice ? stats_.bytes_h2d
+    (kind == CopyKind::kHostToDevice   ? stats_.bytes_h2d
      : kind == CopyKind::kDeviceToHost ? stats_.bytes_d2h
-                                        : stats_.bytes_other) += bytes;
+                                       : stats_.bytes_other) += bytes;
   }
   lane.push({ticket, after_event, std::move(issue)});
   return ticket;
@@ -265,8 +265,8 @@ std::shared_ptr<Ticket> CopyEngine::copy(void* dst, const void* src, size_t nbyt
   MSRL_CHECK(src != nullptr || nbytes == 0, kInvalidArgument, "copy source is a null pointer");
   MSRL_CHECK(nbytes < (uint64_t{1} << 48), kInvalidArgument, "copy size ", nbytes, " is negative or too large");
   auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
-  MSRL_CHECK(nbytes == 0 || d + nbytes <= s || s + nbytes <= d, kInvalidArgument, "source ", src,
-             " and destination ", dst, " overlap within ", nbytes, " bytes");
+  MSRL_CHECK(nbytes == 0 || d + nbytes <= s || s + nbytes <= d, kInvalidArgument, "source ", src, " and destination ",
+             dst, " overlap within ", nbytes, " bytes");
   bool host_device = !rt_->device_is_host() || options_.force_bounce;
   bool bounce_in = host_device && kind == CopyKind::kHostToDevice && !PinnedPool::is_pinned(src, nbytes);
   bool bounce_out = host_device && kind == CopyKind::kDeviceToHost && !PinnedPool::is_pinned(dst, nbytes);
@@ -373,8 +373,7 @@ void CopyEngine::synchronize(double timeout_seconds) {
   auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(std::max(0.0, timeout_seconds)));
   std::unique_lock<std::mutex> lock(mu_);
-  if (!idle_cv_.wait_until(lock, deadline,
-                           [&] { return stats_.completed + stats_.failed == stats_.submitted; })) {
+  if (!idle_cv_.wait_until(lock, deadline, [&] { return stats_.completed + stats_.failed == stats_.submitted; })) {
     MSRL_THROW(kTimeout, "copy engine has ", stats_.submitted - stats_.completed - stats_.failed,
                " copies still running after ", timeout_seconds, " s");
   }

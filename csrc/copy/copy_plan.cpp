@@ -88,7 +88,8 @@ std::vector<CopyDescriptor> coalesce(const std::vector<CopyDescriptor>& in) {
           if (l.src_pitch == l.row_bytes && l.dst_pitch == l.row_bytes) l = normalize(l);
           continue;
         }
-        if (d.src_offset == l.src_offset + l.rows * l.src_pitch && d.dst_offset == l.dst_offset + l.rows * l.dst_pitch) {
+        if (d.src_offset == l.src_offset + l.rows * l.src_pitch &&
+            d.dst_offset == l.dst_offset + l.rows * l.dst_pitch) {
           ++l.rows;
           continue;
         }

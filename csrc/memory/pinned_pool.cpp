@@ -82,8 +82,8 @@ std::shared_ptr<PinnedBlock> PinnedPool::allocate(size_t nbytes) {
     } else {
       if (stats_.capacity != 0 && stats_.reserved + cls > stats_.capacity) free_cached_locked();
       MSRL_CHECK(stats_.capacity == 0 || stats_.reserved + cls <= stats_.capacity, kOutOfMemory,
-                 "pinned pool capacity ", stats_.capacity, " bytes exceeded: ", stats_.in_use,
-                 " in use, request of ", nbytes, " bytes (size class ", cls, ")");
+                 "pinned pool capacity ", stats_.capacity, " bytes exceeded: ", stats_.in_use, " in use, request of ",
+                 nbytes, " bytes (size class ", cls, ")");
       stats_.reserved += cls;  // reserve before the (slow) runtime call, outside the lock
     }
     stats_.in_use += cls;

@@ -13,15 +13,15 @@
 namespace msrl {
 
 struct PoolStats {
-  uint64_t reserved = 0;        // bytes held from the runtime (in use + cached)
-  uint64_t in_use = 0;          // bytes of live blocks (by size class)
+  uint64_t reserved = 0;  // bytes held from the runtime (in use + cached)
+  uint64_t in_use = 0;    // bytes of live blocks (by size class)
   uint64_t peak_in_use = 0;
-  uint64_t cached = 0;          // bytes of free blocks kept for reuse
-  uint64_t requested = 0;       // bytes asked for by live blocks (<= in_use)
-  uint64_t allocations = 0;     // blocks handed out
-  uint64_t cache_hits = 0;      // of which reused a cached block
-  uint64_t registered = 0;      // bytes of live caller-buffer registrations
-  uint64_t capacity = 0;        // 0 = unlimited
+  uint64_t cached = 0;       // bytes of free blocks kept for reuse
+  uint64_t requested = 0;    // bytes asked for by live blocks (<= in_use)
+  uint64_t allocations = 0;  // blocks handed out
+  uint64_t cache_hits = 0;   // of which reused a cached block
+  uint64_t registered = 0;   // bytes of live caller-buffer registrations
+  uint64_t capacity = 0;     // 0 = unlimited
 };
 
 class PinnedPool;

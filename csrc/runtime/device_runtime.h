@@ -53,8 +53,8 @@ class DeviceRuntime {
   virtual void stream_wait_event(Stream stream, Event event) = 0;
 
   virtual void memcpy_async(void* dst, const void* src, size_t nbytes, CopyKind kind, Stream stream) = 0;
-  virtual void memcpy2d_async(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                              size_t height, CopyKind kind, Stream stream) = 0;
+  virtual void memcpy2d_async(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                              CopyKind kind, Stream stream) = 0;
   // Enqueues every descriptor of a plan. The default issues one 1-D or 2-D copy per descriptor;
   // backends with a cheaper fused path override it.
   virtual void plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src, CopyKind kind,
@@ -69,9 +69,9 @@ class DeviceRuntime {
 };
 
 struct BackendInfo {
-  std::string name;     // "host", "cuda", "acl"
+  std::string name;  // "host", "cuda", "acl"
   bool available = false;
-  std::string detail;   // library path and version, or why it is unavailable
+  std::string detail;  // library path and version, or why it is unavailable
 };
 
 // Probes every backend (loads vendor libraries on first use; never throws).

@@ -33,12 +33,11 @@ struct HostEvent {
   Clock::time_point when{};
 
   void complete(uint64_t gen) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (gen > completed) {
-        completed = gen;
-        when = Clock::now();
-      }
+    // Notify under the lock: a waiter may destroy the event as soon as it sees `completed`.
+    std::lock_guard<std::mutex> lock(mu);
+    if (gen > completed) {
+      completed = gen;
+      when = Clock::now();
     }
     cv.notify_all();
   }

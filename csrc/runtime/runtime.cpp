@@ -18,8 +18,8 @@ const char* copy_kind_name(CopyKind kind) {
   return "?";
 }
 
-void DeviceRuntime::plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src,
-                               CopyKind kind, Stream stream) {
+void DeviceRuntime::plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src, CopyKind kind,
+                               Stream stream) {
   for (size_t i = 0; i < count; ++i) {
     const auto& d = descs[i];
     if (d.rows == 1) {
@@ -91,7 +91,8 @@ std::shared_ptr<DeviceRuntime> get_runtime(const std::string& device) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (name != "auto") {
     auto rt = load_locked(name);
-    MSRL_CHECK(rt->device_count() > 0, kUnavailable, name, " runtime loaded but it sees no device; use MSRL_DEVICE=host");
+    MSRL_CHECK(rt->device_count() > 0, kUnavailable, name,
+               " runtime loaded but it sees no device; use MSRL_DEVICE=host");
     return rt;
   }
   for (const char* candidate : {"cuda", "acl"}) {
