@@ -116,6 +116,21 @@ def hf_model(cfg, rope_theta: float = 10000.0):
             **common,
         )
         M = tf.Qwen3MoeForCausalLM
+    elif cfg.arch == "qwen2_moe":
+        common.pop("head_dim")
+        assert cfg.hd * cfg.num_attention_heads == cfg.hidden_size
+        c = tf.Qwen2MoeConfig(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            qkv_bias=cfg.qkv_bias,
+            **common,
+        )
+        M = tf.Qwen2MoeForCausalLM
     else:
         raise ValueError(cfg.arch)
     c._attn_implementation = "eager"
@@ -180,11 +195,18 @@ def _build_megatron(cfg, tp: int, pp: int, ep: int):
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="allgather",
-            moe_router_pre_softmax=False,
+            # Qwen3-MoE renormalises the top-k probabilities (softmax over the top-k logits); Qwen2-MoE
+            # takes the top-k of the full softmax (norm_topk_prob=False) = Megatron's pre-softmax router
+            moe_router_pre_softmax=cfg.arch == "qwen2_moe",
             moe_grouped_gemm=False,
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=1 if ep > 1 else tp,
         )
+        if cfg.shared_expert_intermediate_size:
+            kw.update(
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True,
+            )
     tc = TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

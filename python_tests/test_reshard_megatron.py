@@ -116,6 +116,26 @@ CASES = [
             **DENSE,
         ),
     ),
+    # Qwen2-MoE: shared expert + sigmoid shared-expert gate, QKV bias, top-k of the full softmax; EP 2
+    dict(
+        name="qwen2moe_shared_ep2",
+        tp=1,
+        ep=2,
+        vllm_tp=2,
+        vllm_ep=1,
+        model=dict(
+            arch="qwen2_moe",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            qkv_bias=True,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            tie_word_embeddings=True,
+            **DENSE,
+        ),
+    ),
     # MoE with expert tensor parallel (EP 1, ETP = TP 2); vLLM TP 2 without EP (experts TP-sharded)
     dict(
         name="qwen3moe_tp2_etp2",

@@ -135,7 +135,7 @@ class ModelConfig:
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
             head_dim=getattr(c, "head_dim", None),
-            qkv_bias=bool(getattr(c, "attention_bias", False)) or mt in ("qwen2", "qwen2_moe"),
+            qkv_bias=bool(getattr(c, "qkv_bias", getattr(c, "attention_bias", False))) or mt == "qwen2",
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qk_norm=mt in ("qwen3", "qwen3_moe"),
             num_experts=getattr(c, "num_experts", 0) or 0,
