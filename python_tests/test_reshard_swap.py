@@ -290,3 +290,17 @@ def test_module_with_ddp_style_prefix_is_accepted(setup):
     assert all(p.untyped_storage().nbytes() == 0 for p in m.parameters())
     s.swap_back().wait()
     assert intact(params, snap)
+
+
+def test_swap_back_orders_against_a_caller_stream(setup):
+    """swap_back(stream=...) starts after work queued on the caller's stream; wait() orders the stream after
+    the copies (host runtime streams are worker threads)."""
+    plan, params, snap = setup
+    flat, _ = plan.allocate_inference()
+    stream = msrl_core.get_runtime().create_stream()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
+    s.swap_back(stream=stream)
+    assert s.state == "swapping_in"
+    s.wait(timeout=30)
+    stream.synchronize()
+    assert s.state == "back" and intact(params, snap)
