@@ -399,6 +399,13 @@ def _error_cases(model, plan, groups, cfg, train, before, tokens, ps) -> dict:
         out[label]["intact"] = _crcs(model) == before
 
     flat, _ = plan.allocate_inference()
+    import torch.distributed as dist
+
+    # bad input on one rank only: every rank gets an error, none is left blocked in a collective
+    bad = dict(model.named_parameters())
+    if dist.get_rank() == 1:
+        del bad["decoder.layers.1.mlp.linear_fc2.weight"]
+    attempt("one_rank_bad", lambda: msrl_core.allgather_swap(bad, flat, plan, groups))
     attempt("missing_tp_group", lambda: msrl_core.allgather_swap(model, flat, plan, {**groups, "tp": None}))
     p1 = to_hf(cfg, Parallel(tp=1))
     f1, _ = p1.allocate_inference()

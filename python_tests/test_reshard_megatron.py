@@ -223,6 +223,12 @@ def test_bad_groups_rejected_before_any_collective(results):
             e["wrong_group_size"]["raised"] == "ReshardError" and "has size 2" in e["wrong_group_size"]["msg"]
         )
         assert all(v["intact"] for v in e.values())
+        one = e["one_rank_bad"]
+        assert one["raised"] == "ReshardError"
+        if r["rank"] == 1:
+            assert "missing training parameter 'decoder.layers.1.mlp.linear_fc2.weight'" in one["msg"]
+        else:
+            assert "another rank" in one["msg"]
 
 
 # TP and PP together needs 4 processes: one case, its own workers

@@ -62,6 +62,23 @@ def _all_gather_single(out, inp, group) -> None:
     fn(out, inp, group=group)
 
 
+def _agree(ok: bool, groups: Mapping[str, Any], device) -> bool:
+    """MIN-all-reduce of the local verdict over each distinct training group (a few bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    seen: list[Any] = []
+    for key in ("tp", "pp", "ep"):
+        g = groups.get(key)
+        if g is None or any(g is x for x in seen):
+            continue
+        seen.append(g)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+        ok = bool(flag.item())
+    return ok
+
+
 def _gather_mode(gather: str, group) -> str:
     if gather not in ("auto", "all_gather", "p2p"):
         raise ReshardError(f"gather must be 'auto', 'all_gather' or 'p2p', got {gather!r}")
@@ -302,17 +319,33 @@ def allgather_swap(
             "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
         )
     t_start = time.perf_counter()
-    _check_groups(plan, groups)
-    stage = _group_rank(groups.get("pp"))
+    _check_groups(plan, groups)  # a wrong group is rejected here, before it is used for anything
     params = _normalize_params(train_params)
-    _check_params(plan, params, stage)
-    if infer_rank is None:
-        infer_rank = (dist.get_rank() if dist.is_initialized() else 0) % plan.infer.tp
-    flat, views = _infer_flat(plan, infer, infer_rank)
-    device = next(iter(params.values())).device
+    local_error: Exception | None = None
+    try:
+        stage = _group_rank(groups.get("pp"))
+        _check_params(plan, params, stage)
+        if infer_rank is None:
+            infer_rank = (dist.get_rank() if dist.is_initialized() else 0) % plan.infer.tp
+        flat, views = _infer_flat(plan, infer, infer_rank)
+        modes = {k: _gather_mode(gather, groups.get(k)) for k in ("tp", "ep")}
+        buckets = plan.buckets(bucket_bytes)
+        cplans = plan.native_plans(bucket_bytes, infer_rank)
+    except Exception as e:
+        local_error = e
+    # every rank of the groups agrees before the first collective: one rank's bad input must not leave the
+    # others blocked in an all-gather
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    if not _agree(local_error is None, groups, device):
+        if local_error is not None:
+            raise local_error
+        raise ReshardError(
+            "another rank of the training groups rejected this switch (see its error); nothing was done here"
+        )
+    if local_error is not None:
+        raise local_error
+    assert infer_rank is not None
     engine = engine or _default_engine()
-    buckets = plan.buckets(bucket_bytes)
-    cplans = plan.native_plans(bucket_bytes, infer_rank)
 
     # unique training storages (params may share a contiguous buffer)
     storages: list[tuple[str, Any, int, Any]] = []
@@ -335,7 +368,6 @@ def allgather_swap(
         "descriptors": int(sum(len(c) for c in cplans if c is not None)),
     }
     my_buckets = [b for b in buckets if b.stage == stage]
-    modes = {k: _gather_mode(gather, groups.get(k)) for k in ("tp", "ep")}
     tele["gather"] = modes["tp"] if plan.train.tp > 1 else modes["ep"]
     scratch_bytes = max(
         (b.gathered_bytes + (b.local_bytes if b.members > 1 and modes[b.group] == "all_gather" else 0))
