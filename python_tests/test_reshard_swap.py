@@ -217,7 +217,8 @@ class _FailingSwapEngine(_FailingEngine):
 def test_failure_during_swap_out_restores_training_weights(setup):
     plan, params, snap = setup
     flat, _ = plan.allocate_inference()
-    with pytest.raises(ReshardError, match="swap-out failed .*restored"):
+    fifth = list(params)[4]  # the 5th copy is the 5th parameter's storage
+    with pytest.raises(ReshardError, match=f"swap-out failed at parameter '{fifth}'.*restored"):
         allgather_swap(
             params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(5)
         )

@@ -457,20 +457,24 @@ def allgather_swap(
         pool = pool or _default_pool()
         t0 = time.perf_counter()
         done: list[tuple[str, Any, int, Any]] = []
+        at = storages[0][0]
         try:
             for n, _, nbytes, _ in storages:
+                at = n
                 m = mirrors.get(n)
                 if m is None or m.nbytes < nbytes:
                     m = mirrors[n] = pool.allocate(nbytes)
             tickets = []
             t_copy0 = time.perf_counter()
             for n, st, nbytes, dev in storages:
+                at = n
                 dst = torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
                 tickets.append(engine.copy(dst, _bytes_view(st, dev)))
             for t in tickets:
                 t.wait(60.0)
             t_copied = time.perf_counter()
             for n, st, nbytes, dev in storages:
+                at = n
                 st.resize_(0)
                 done.append((n, st, nbytes, dev))
                 meter.sub(nbytes)
@@ -480,9 +484,8 @@ def allgather_swap(
                 engine.copy(
                     _bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
                 ).wait(60.0)
-            name = storages[len(done)][0] if len(done) < len(storages) else "?"
             raise ReshardError(
-                f"swap-out failed at parameter {name!r}: {type(e).__name__}: {e}; training weights restored"
+                f"swap-out failed at parameter {at!r}: {type(e).__name__}: {e}; training weights restored"
             ) from e
         dt = time.perf_counter() - t0
         dc = t_copied - t_copy0
