@@ -305,3 +305,31 @@ def test_swap_back_orders_against_a_caller_stream(setup):
     s.wait(timeout=30)
     stream.synchronize()
     assert s.state == "back" and intact(params, snap)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_switch(dtype):
+    cfg = ModelConfig(
+        "qwen3_moe",
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=500,
+        qk_norm=True,
+        num_experts=4,
+        moe_intermediate_size=16,
+        dtype=dtype,
+    )
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=2, ep=2))
+    params = make_params(plan)
+    snap = snapshot(params)
+    flat, views = plan.allocate_inference(1)
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=4 << 10, infer_rank=1)
+    hf = reference.megatron_to_hf(cfg, plan.train, {(0, 0, 0): snap})
+    exp = reference.hf_to_vllm(cfg, plan.infer, 1, hf)
+    assert all(views[k].dtype == getattr(torch, dtype) and torch.equal(views[k], exp[k]) for k in exp)
+    s.swap_back().wait()
+    assert intact(params, snap)
