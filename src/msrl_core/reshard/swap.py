@@ -62,6 +62,17 @@ def _all_gather_single(out, inp, group) -> None:
     fn(out, inp, group=group)
 
 
+def _current_stream(device) -> Any:
+    """The caller's current stream on ``device`` (CUDA / Ascend), None on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    if device.type == "npu":  # pragma: no cover - torch_npu
+        return torch.npu.current_stream(device)  # type: ignore[attr-defined]
+    return None
+
+
 def _agree(ok: bool, groups: Mapping[str, Any], device) -> bool:
     """MIN-all-reduce of the local verdict over each distinct training group (a few bytes)."""
     import torch
@@ -346,6 +357,7 @@ def allgather_swap(
         raise local_error
     assert infer_rank is not None
     engine = engine or _default_engine()
+    cur_stream = _current_stream(device)
 
     # unique training storages (params may share a contiguous buffer)
     storages: list[tuple[str, Any, int, Any]] = []
@@ -417,7 +429,8 @@ def allgather_swap(
                     gathered_total += gb
             t1 = time.perf_counter()
             if cp is not None:
-                engine.execute(cp, flat, scratch).wait(60.0)
+                # ordered after the gather/pack queued on the caller's current stream (GPU); host: no-op
+                engine.execute(cp, flat, scratch, after=cur_stream).wait(60.0)
             t_copy += time.perf_counter() - t1
             t_gather += t1 - t0
         cur = None
@@ -469,7 +482,7 @@ def allgather_swap(
             for n, st, nbytes, dev in storages:
                 at = n
                 dst = torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
-                tickets.append(engine.copy(dst, _bytes_view(st, dev)))
+                tickets.append(engine.copy(dst, _bytes_view(st, dev), after=cur_stream))
             for t in tickets:
                 t.wait(60.0)
             t_copied = time.perf_counter()
