@@ -373,3 +373,25 @@ def test_random_layouts_match_vllm_rules(case, rank_seed):
     assert sorted(got) == sorted(exp)
     for k in exp:
         assert torch.equal(got[k], exp[k]), k
+
+
+def test_name_map_megatron_hf_vllm():
+    cfg = CONFIGS["qwen3_moe"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1, pp=2, ep=2), Parallel(tp=2, ep=2))
+    m = plan.name_map(infer_rank=1)
+    assert m["model.layers.1.self_attn.qkv_proj.weight"] == [
+        (f"model.layers.1.self_attn.{w}_proj.weight", 1, "decoder.layers.0.self_attention.linear_qkv.weight")
+        for w in "qkv"
+    ]
+    # infer EP rank 1 holds experts 2, 3, trained on EP rank 1 as local experts 0, 1
+    w13 = m["model.layers.0.mlp.experts.w13_weight"]
+    assert [x[0] for x in w13] == [
+        f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3) for p in ("gate", "up")
+    ]
+    assert {x[2] for x in w13} == {
+        f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight" for j in (0, 1)
+    }
+    assert m["lm_head.weight"] == [("lm_head.weight", 1, "output_layer.weight")]
+    assert m["model.embed_tokens.weight"] == [
+        ("model.embed_tokens.weight", 0, "embedding.word_embeddings.weight")
+    ]

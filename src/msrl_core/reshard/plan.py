@@ -87,6 +87,18 @@ class ReshardPlan:
                 self._targets[infer_rank] = vllm_targets(self.cfg, self.hf, self.infer, infer_rank)
         return self._targets[infer_rank]
 
+    def name_map(self, infer_rank: int = 0) -> dict[str, list[tuple[str, int, str]]]:
+        """Inference tensor -> ``[(HF name, PP stage, stage-local Megatron name), ...]`` it is built from."""
+        out: dict[str, list[tuple[str, int, str]]] = {}
+        for t in self.targets(infer_rank):
+            srcs = out.setdefault(t.name, [])
+            for pc in t.pieces:
+                src = self.hf[pc.hf].src
+                item = (pc.hf, src.stage, src.param)
+                if item not in srcs:
+                    srcs.append(item)
+        return out
+
     def infer_layout(self, infer_rank: int = 0) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
         """``{name: (byte offset, shape)}`` in the flat inference buffer, and its total bytes."""
         off, out = 0, {}
