@@ -108,7 +108,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             verified=ok,
             infer_bytes=tele["infer_bytes"],
             train_bytes=tele["train_bytes"],
-            bucket_scratch_bytes=tele["bucket_bytes"],
+            bucket_scratch_bytes=tele["scratch_bytes"],
             buckets=tele["buckets"],
             descriptors=tele["descriptors"],
             gather=tele["gather"],
@@ -156,7 +156,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         dict(
             case="switch_peak_bytes_vs_naive",
             peak_bytes=peak,
-            bound_bytes=tele["train_bytes"] + tele["infer_bytes"] + tele["bucket_bytes"],
+            bound_bytes=tele["train_bytes"] + tele["infer_bytes"] + tele["scratch_bytes"],
             freed_bytes=freed,
             naive_peak_bytes=naive_bytes,
             ratio=naive_bytes / peak,

@@ -385,7 +385,8 @@ def allgather_swap(
         (b.gathered_bytes + (b.local_bytes if b.members > 1 and modes[b.group] == "all_gather" else 0))
         for b in buckets
     )
-    tele["bucket_bytes"] = scratch_bytes
+    tele["bucket_bytes"] = bucket_bytes  # requested bytes per member and bucket
+    tele["scratch_bytes"] = scratch_bytes  # the one-bucket gather scratch actually allocated
     pp_group = groups.get("pp")
     t_gather = t_copy = t_pack = 0.0
     gathered_total = 0
