@@ -1,0 +1,276 @@
+"""allgather-swap benchmark: bucketed plan vs per-parameter all-gather + torch slicing; swap vs memcpy.
+
+Spawns ``--world`` processes over gloo (CPU, host runtime), builds random Megatron-layout shards of a
+~112M-parameter Llama-style model (TP_t = world) and reshards them to the inference layout (TP_i = 1 by
+default). Every case is timed on all ranks together (barrier before each run), warm-up first, then the
+median of ``--reps`` runs; data is verified after timing. Prints one JSON line per case (rank 0's times;
+``max_rank_s`` is the slowest rank's median).
+
+    python bench/reshard_bench.py [--reps 5] [--world 2] [--infer-tp 1] [--bucket-mib 16] [--layers 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "-C", here, "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def _timed(fn, reps: int, dist) -> tuple[float, list[float]]:
+    dist.barrier()
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def _worker(rank: int, world: int, port: int, args, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    import msrl_core
+    from msrl_core.reshard import ModelConfig, Parallel, allgather_swap, megatron_to_vllm, naive_reshard, spec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = ModelConfig(
+        "llama",
+        hidden_size=768,
+        num_layers=args.layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+    )
+    train, infer = Parallel(tp=world), Parallel(tp=args.infer_tp)
+    plan = megatron_to_vllm(cfg, train, infer)
+    g = torch.Generator().manual_seed(1000 + rank)
+    params = {n: torch.randn(s, generator=g) for n, s, _ in spec.megatron_stage_params(cfg, train, 0)}
+    snap = {n: p.clone() for n, p in params.items()}
+    nparams = sum(p.numel() for p in params.values()) * world  # approx (replicated norms counted twice)
+    groups = {"tp": dist.group.WORLD if world > 1 else None}
+    infer_rank = rank % infer.tp
+    bucket = args.bucket_mib << 20
+    flat, views = plan.allocate_inference(infer_rank)
+    rows: list[dict] = []
+
+    # 1. bucketed reshard (no swap) vs naive per-parameter all_gather + torch slicing + copy into the buffers
+    def bucketed():
+        allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False)
+
+    def naive():
+        out, _ = naive_reshard(params, plan, groups, infer_rank=infer_rank)
+        for k, v in out.items():
+            views[k].copy_(v)
+
+    plan.native_plans(bucket, infer_rank)  # plan building is a one-off (cached), outside the timing
+    t_b, _ = _timed(bucketed, args.reps, dist)
+    t_n, _ = _timed(naive, args.reps, dist)
+    ref = {k: v.clone() for k, v in views.items()}  # naive result
+    flat.zero_()
+    bucketed()
+    ok = all(torch.equal(views[k], ref[k]) for k in ref)
+    s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False)
+    tele = s.telemetry
+    rows.append(
+        dict(
+            case="reshard_bucketed_vs_naive",
+            seconds_median=t_b,
+            baseline="per-parameter all_gather + torch cat/slice + copy into inference buffers",
+            baseline_seconds_median=t_n,
+            speedup=t_n / t_b,
+            verified=ok,
+            infer_bytes=tele["infer_bytes"],
+            train_bytes=tele["train_bytes"],
+            bucket_scratch_bytes=tele["scratch_bytes"],
+            buckets=tele["buckets"],
+            descriptors=tele["descriptors"],
+            gather=tele["gather"],
+            gather_s=tele["gather_s"],
+            pack_s=tele["pack_s"],
+            copy_s=tele["copy_s"],
+        )
+    )
+
+    # 1b. the same bucketed plan with the collective all_gather (what NCCL/HCCL groups use)
+    def bucketed_collective():
+        allgather_swap(
+            params,
+            flat,
+            plan,
+            groups,
+            bucket_bytes=bucket,
+            infer_rank=infer_rank,
+            swap=False,
+            gather="all_gather",
+        )
+
+    t_c, _ = _timed(bucketed_collective, args.reps, dist)
+    flat.zero_()
+    bucketed_collective()
+    ok_c = all(torch.equal(views[k], ref[k]) for k in ref)
+    rows.append(
+        dict(
+            case="reshard_bucketed_all_gather_vs_naive",
+            seconds_median=t_c,
+            baseline="per-parameter all_gather + torch cat/slice + copy into inference buffers",
+            baseline_seconds_median=t_n,
+            speedup=t_n / t_c,
+            verified=ok_c,
+        )
+    )
+
+    # 2. memory: bucketed switch (accounted) vs naive path, same run
+    s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank)
+    peak, freed = s.telemetry["peak_bytes"], s.telemetry["freed_bytes"]
+    s.swap_back().wait()
+    _, naive_bytes = naive_reshard(params, plan, groups, infer_rank=infer_rank)
+    naive_bytes += flat.numel()
+    rows.append(
+        dict(
+            case="switch_peak_bytes_vs_naive",
+            peak_bytes=peak,
+            bound_bytes=tele["train_bytes"] + tele["infer_bytes"] + tele["scratch_bytes"],
+            freed_bytes=freed,
+            naive_peak_bytes=naive_bytes,
+            ratio=naive_bytes / peak,
+        )
+    )
+
+    # 3. swap-out / swap-in (host runtime, pinned mirrors, persistent) vs memcpy of the same bytes
+    nbytes = sum(p.untyped_storage().nbytes() for p in params.values())
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.copy_(torch.cat([p.view(-1).view(torch.uint8) for p in params.values()]))
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # fault the pages in, like the persistent mirrors
+    outs, ins, out_copies, mems, freshs = [], [], [], [], []
+    for i in range(args.reps + 1):  # swap and memcpy interleaved, so drift on the shared machine hits both
+        dist.barrier()
+        s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank)
+        dist.barrier()
+        s.swap_back().wait()
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t_mem = time.perf_counter() - t0
+        dist.barrier()
+        t0 = time.perf_counter()
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        fresh.copy_(src)
+        t_fresh = time.perf_counter() - t0
+        del fresh
+        if i:  # first run allocates the mirrors: warm-up
+            outs.append(s.telemetry["swap_out_s"])
+            out_copies.append(s.telemetry["swap_out_copy_s"])
+            ins.append(s.telemetry["swap_in_s"])
+            mems.append(t_mem)
+            freshs.append(t_fresh)
+    t_m, t_f = statistics.median(mems), statistics.median(freshs)
+    restored = all(torch.equal(params[k], snap[k]) for k in snap)
+    so, si, soc = statistics.median(outs), statistics.median(ins), statistics.median(out_copies)
+    cases = (
+        ("swap_out_vs_memcpy", so, "pinned-mirror copies + freeing the storages"),
+        ("swap_out_copies_only_vs_memcpy", soc, "device->host copies only"),
+        ("swap_in_vs_memcpy", si, "re-allocating the storages + host->device copies"),
+    )
+    rows_swap_in_fresh = dict(
+        case="swap_in_vs_memcpy_into_fresh_buffer",
+        bytes=nbytes,
+        gbps_median=nbytes / si / 1e9,
+        baseline="torch.empty + uint8 copy_ of the same bytes (allocation and first-touch page faults, "
+        "like re-materialising the storages)",
+        baseline_gbps_median=nbytes / t_f / 1e9,
+        ratio=t_f / si,
+        verified=restored,
+        measures="re-allocating the storages + host->device copies",
+    )
+    for case, t, what in cases:
+        rows.append(
+            dict(
+                case=case,
+                bytes=nbytes,
+                gbps_median=nbytes / t / 1e9,
+                baseline="torch uint8 copy_ (memcpy) of the same bytes, one buffer",
+                baseline_gbps_median=nbytes / t_m / 1e9,
+                ratio=t_m / t,
+                verified=restored,
+                measures=what,
+            )
+        )
+    rows.append(rows_swap_in_fresh)
+    common = dict(
+        thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+        backend=msrl_core.runtime_info()["selected"],
+        world=world,
+        transport="gloo",
+        train_tp=world,
+        infer_tp=infer.tp,
+        bucket_mib=args.bucket_mib,
+        model_params=nparams,
+        dtype=cfg.dtype,
+        statistic="median",
+        reps=args.reps,
+        torch=torch.__version__,
+        msrl_core=msrl_core.__version__,
+        python=platform.python_version(),
+        machine=f"{platform.machine()} {os.cpu_count()} cpus",
+        commit=_commit(),
+    )
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump([{**r, **common} for r in rows], f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--infer-tp", type=int, default=1)
+    ap.add_argument("--bucket-mib", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=10)
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    out = tempfile.mkdtemp(prefix="msrl_reshard_bench_")
+    mp.spawn(_worker, args=(args.world, _port(), args, out), nprocs=args.world)
+    per_rank = []
+    for r in range(args.world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            per_rank.append(json.load(f))
+    for i, row in enumerate(per_rank[0]):
+        for key in ("seconds_median", "baseline_seconds_median"):
+            if key in row:
+                row["max_rank_" + key] = max(pr[i][key] for pr in per_rank)
+        row = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

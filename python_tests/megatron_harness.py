@@ -1,0 +1,413 @@
+"""Multi-process harness for the reshard tests: real megatron-core GPTModel on CPU over gloo, resharded with
+msrl_core, loaded into the transformers model of the same architecture, logits compared.
+
+``run(cases, world)`` spawns ``world`` processes once and runs every case in them (process start-up and the
+megatron/transformers imports dominate the cost); each rank returns a dict of results per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import traceback
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SEQ = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cases: list[dict], world: int = 2, timeout: float = 600.0) -> list[dict]:
+    """Run ``cases`` in ``world`` spawned processes; returns per-rank ``{case_name: result}``."""
+    import torch.multiprocessing as mp
+
+    out = tempfile.mkdtemp(prefix="msrl_mg_")
+    port = free_port()
+    ctx = mp.start_processes(
+        _main, args=(world, port, cases, out), nprocs=world, join=False, start_method="spawn"
+    )
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=5.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"megatron workers did not finish in {timeout} s")
+    res = []
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            res.append(json.load(f))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inside the workers
+
+
+def _main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import megatron_compat
+
+    megatron_compat.patch()
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    for case in cases:
+        try:
+            results[case["name"]] = _run_case(case, rank, world)
+        except Exception as e:  # recorded, the test asserts on it
+            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def model_config(case: dict):
+    from msrl_core.reshard import ModelConfig
+
+    return ModelConfig(**case["model"])
+
+
+def hf_model(cfg, rope_theta: float = 10000.0):
+    import torch
+    import transformers as tf
+
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hd,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+    )
+    if cfg.arch == "qwen2":
+        c, M = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif cfg.arch == "llama":
+        c, M = tf.LlamaConfig(attention_bias=cfg.qkv_bias, mlp_bias=False, **common), tf.LlamaForCausalLM
+    elif cfg.arch == "qwen3_moe":
+        c = tf.Qwen3MoeConfig(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+        M = tf.Qwen3MoeForCausalLM
+    elif cfg.arch == "qwen2_moe":
+        common.pop("head_dim")
+        assert cfg.hd * cfg.num_attention_heads == cfg.hidden_size
+        c = tf.Qwen2MoeConfig(
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            qkv_bias=cfg.qkv_bias,
+            **common,
+        )
+        M = tf.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(cfg.arch)
+    c._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return M(c).eval()
+
+
+def load_hf(model, cfg, tensors: dict) -> None:
+    """Load HF checkpoint-layout tensors (per-expert MoE names) into a transformers 5 model, whose MoE
+    experts are fused ``gate_up_proj [E, 2F, H]`` / ``down_proj [E, H, F]``."""
+    import torch
+
+    sd = dict(tensors)
+    if cfg.is_moe:
+        for i in range(cfg.num_layers):
+            h = f"model.layers.{i}.mlp.experts."
+            E = cfg.num_experts
+            sd[h + "gate_up_proj"] = torch.stack(
+                [
+                    torch.cat([sd.pop(h + f"{e}.gate_proj.weight"), sd.pop(h + f"{e}.up_proj.weight")])
+                    for e in range(E)
+                ]
+            )
+            sd[h + "down_proj"] = torch.stack([sd.pop(h + f"{e}.down_proj.weight") for e in range(E)])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    # Llama's attention_bias also adds an o_proj bias, which Megatron's add_qkv_bias does not have: zero it
+    for m in [m for m in missing if m.endswith("self_attn.o_proj.bias")]:
+        model.get_parameter(m).data.zero_()
+        missing.remove(m)
+    assert not missing and not unexpected, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def _build_megatron(cfg, tp: int, pp: int, ep: int):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from msrl_core.reshard.layout import megatron_padded_vocab
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1 if ep > 1 else tp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    kw = {}
+    if cfg.is_moe:
+        kw = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.moe_intermediate_size,
+            moe_router_topk=2,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+            # Qwen3-MoE renormalises the top-k probabilities (softmax over the top-k logits); Qwen2-MoE
+            # takes the top-k of the full softmax (norm_topk_prob=False) = Megatron's pre-softmax router
+            moe_router_pre_softmax=cfg.arch == "qwen2_moe",
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=1 if ep > 1 else tp,
+        )
+        if cfg.shared_expert_intermediate_size:
+            kw.update(
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True,
+            )
+    tc = TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.hd,
+        ffn_hidden_size=cfg.intermediate_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        attention_softmax_in_fp32=True,
+        **kw,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=cfg.num_experts or None, qk_layernorm=cfg.qk_norm, normalization="RMSNorm"
+    )
+    model = GPTModel(
+        tc,
+        spec,
+        vocab_size=megatron_padded_vocab(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
+        max_sequence_length=128,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        parallel_output=False,
+    ).eval()
+    _randomize(model, ps)
+    groups = {
+        "tp": ps.get_tensor_model_parallel_group() if tp > 1 else None,
+        "pp": ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+        "ep": ps.get_expert_model_parallel_group() if ep > 1 else None,
+    }
+    return model, groups, ps
+
+
+def _randomize(model, ps) -> None:
+    """Deterministic values: replicated params equal on every TP rank, sharded params differ per rank,
+    expert params differ per EP rank, tied output layer equal to the embedding."""
+    import torch
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    ep_rank = ps.get_expert_model_parallel_rank()
+    for name, p in model.named_parameters():
+        key_name, stage = name, pp_rank
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            key_name, stage = "embedding.word_embeddings.weight", 0
+        sharded = getattr(p, "tensor_model_parallel", False)
+        expert = ".experts." in name
+        key = f"{key_name}|{stage}|{tp_rank if sharded else 0}|{ep_rank if expert else 0}"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        with torch.no_grad():
+            if "layernorm" in name or "norm" in name.split(".")[-2]:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embedding" in key_name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def _megatron_logits(model, ps, tokens):
+    """Forward through all PP stages (send/recv between stages); logits on the last stage, else None."""
+    import torch
+    import torch.distributed as dist
+
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    with torch.no_grad():
+        if pp == 1:
+            return model(tokens, pos, None)
+        st = ps.get_pipeline_model_parallel_rank()
+        grp = ps.get_pipeline_model_parallel_group()
+        H = model.config.hidden_size
+        if st > 0:
+            h = torch.empty(tokens.shape[1], tokens.shape[0], H)
+            dist.recv(h, src=dist.get_global_rank(grp, st - 1))
+            model.set_input_tensor(h)
+        y = model(tokens, pos, None)
+        if st < pp - 1:
+            dist.send(y.contiguous(), dst=dist.get_global_rank(grp, st + 1))
+            return None
+        return y
+
+
+def _crcs(model) -> dict:
+    # clone: .numpy() on a parameter would make its storage non-resizable (no swap-out possible)
+    return {n: zlib.crc32(p.detach().clone().numpy().tobytes()) for n, p in model.named_parameters()}
+
+
+def _run_case(case: dict, rank: int, world: int) -> dict:
+    import torch
+
+    import msrl_core
+    from msrl_core.reshard import Parallel, megatron_to_vllm, naive_reshard, reference, to_hf
+
+    cfg = model_config(case)
+    tp, pp, ep = case.get("tp", 1), case.get("pp", 1), case.get("ep", 1)
+    model, groups, ps = _build_megatron(cfg, tp, pp, ep)
+    train = Parallel(tp=tp, pp=pp, ep=ep)
+    res: dict = {"rank": rank}
+    tokens = torch.randint(0, cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    ref_logits = _megatron_logits(model, ps, tokens)
+    before = _crcs(model)
+
+    plan = to_hf(cfg, train)
+    flat, views = plan.allocate_inference()
+    swap = msrl_core.allgather_swap(
+        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10)
+    )
+    res["hf_telemetry"] = {k: v for k, v in swap.telemetry.items() if isinstance(v, (int, float, str, bool))}
+    res["freed_all"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+    res["param_objects_kept"] = len(list(model.parameters())) == len(before)
+    if ref_logits is not None:
+        hf = hf_model(cfg)
+        load_hf(hf, cfg, views)
+        with torch.no_grad():
+            got = hf(tokens).logits
+        V = cfg.vocab_size
+        res["logits_max_abs_diff"] = float((got - ref_logits[..., :V]).abs().max())
+        res["logits_scale"] = float(ref_logits[..., :V].abs().max())
+    swap.swap_back()
+    swap.wait()
+    res["restored_equal"] = _crcs(model) == before
+    again = _megatron_logits(model, ps, tokens)
+    if ref_logits is not None:
+        res["forward_after_swap_back_equal"] = bool(torch.equal(again, ref_logits))
+
+    # vLLM layout, real distributed execution: infer tp = world (rank = infer rank), vs vLLM rules from HF
+    if case.get("vllm_tp"):
+        ti = case["vllm_tp"]
+        hf_full = {k: v.clone() for k, v in views.items()}
+        vplan = megatron_to_vllm(cfg, train, Parallel(tp=ti, ep=case.get("vllm_ep", 1)))
+        vflat, vviews = vplan.allocate_inference(infer_rank=rank % ti)
+        vs = msrl_core.allgather_swap(
+            model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True, gather=case.get("gather", "auto")
+        )
+        exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
+        res["vllm_names_equal"] = sorted(exp) == sorted(vviews)
+        res["vllm_mismatch"] = [n for n in exp if n in vviews and not torch.equal(exp[n], vviews[n])]
+        res["vllm_telemetry"] = {
+            k: v for k, v in vs.telemetry.items() if isinstance(v, (int, float, str, bool))
+        }
+        vs.swap_back().wait()
+        res["vllm_restored_equal"] = _crcs(model) == before
+        # same run: naive path (per-parameter all_gather + torch slicing, everything kept)
+        _, naive_bytes = naive_reshard(model, vplan, groups, infer_rank=rank % ti)
+        res["naive_bytes_vllm"] = naive_bytes + int(vflat.numel())
+        _, naive_hf = naive_reshard(model, plan, groups, infer_rank=0)
+        res["naive_bytes_hf"] = naive_hf + int(flat.numel())
+
+    if case.get("errors"):
+        res["errors"] = _error_cases(model, plan, groups, cfg, train, before, tokens, ps)
+    return res
+
+
+def _error_cases(model, plan, groups, cfg, train, before, tokens, ps) -> dict:
+    """Bad inputs that need real process groups; each records the message and whether weights survived."""
+    import msrl_core
+    from msrl_core.reshard import Parallel, ReshardError, to_hf
+
+    out = {}
+
+    def attempt(label, fn):
+        try:
+            fn()
+            out[label] = {"raised": None}
+        except ReshardError as e:
+            out[label] = {"raised": type(e).__name__, "msg": str(e)}
+        except Exception as e:  # wrong type of error
+            out[label] = {"raised": "OTHER:" + type(e).__name__, "msg": str(e)}
+        out[label]["intact"] = _crcs(model) == before
+
+    flat, _ = plan.allocate_inference()
+    import torch.distributed as dist
+
+    # bad input on one rank only: every rank gets an error, none is left blocked in a collective
+    bad = dict(model.named_parameters())
+    if dist.get_rank() == 1:
+        del bad["decoder.layers.1.mlp.linear_fc2.weight"]
+    attempt("one_rank_bad", lambda: msrl_core.allgather_swap(bad, flat, plan, groups))
+    attempt("missing_tp_group", lambda: msrl_core.allgather_swap(model, flat, plan, {**groups, "tp": None}))
+    p1 = to_hf(cfg, Parallel(tp=1))
+    f1, _ = p1.allocate_inference()
+    attempt("wrong_group_size", lambda: msrl_core.allgather_swap(model, f1, p1, groups))
+    return out

@@ -1,0 +1,22 @@
+"""allgather-swap resharding: Megatron training layout -> vLLM / Hugging Face inference layout, and the swap
+of the training weights to pinned host memory. See docs/reshard.md."""
+
+from msrl_core.reshard.errors import ReshardError, SwapStateError
+from msrl_core.reshard.layout import ModelConfig, Parallel
+from msrl_core.reshard.plan import Bucket, ReshardPlan, execute_numpy, megatron_to_vllm, to_hf
+from msrl_core.reshard.swap import Swap, allgather_swap, naive_reshard
+
+__all__ = [
+    "Bucket",
+    "ModelConfig",
+    "Parallel",
+    "ReshardError",
+    "ReshardPlan",
+    "Swap",
+    "SwapStateError",
+    "allgather_swap",
+    "execute_numpy",
+    "megatron_to_vllm",
+    "naive_reshard",
+    "to_hf",
+]

@@ -1,0 +1,270 @@
+"""The bucketed reshard plan: which training parameters go into which gather bucket, where every inference
+tensor lives in the flat inference buffer, and per bucket one fused strided copy plan (descriptor array)
+from the gathered bucket into the inference buffer.
+
+Gathered bucket layout (what ``all_gather_into_tensor`` produces over the bucket's group):
+``[member 0: p_a | p_b | ... | member 1: p_a | p_b | ... ]``, every parameter at a 64-byte aligned offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ReshardError
+from .layout import HFTensor, ModelConfig, Parallel, Target
+from .spec import check_infer, check_train, hf_targets, hf_tensors, megatron_stage_params, vllm_targets
+
+__all__ = ["Bucket", "ReshardPlan", "megatron_to_vllm", "to_hf", "execute_numpy"]
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class Bucket:
+    index: int
+    stage: int
+    group: str  # "tp" | "ep"
+    members: int
+    # (name, local shape, byte offset, nbytes, first row, end row): a row chunk of a parameter
+    params: list[tuple[str, tuple[int, ...], int, int, int, int]] = field(default_factory=list)
+    local_bytes: int = 0
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.members * self.local_bytes
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(p[0] for p in self.params))
+
+
+class ReshardPlan:
+    """Megatron (``train``) -> inference (``infer``) layout, ``layout`` = ``"vllm"`` or ``"hf"``.
+
+    Rank-independent until :meth:`bucket_descriptors` picks an inference rank; descriptor arrays and native
+    copy plans are built once per ``(bucket_bytes, infer_rank)`` and cached.
+    """
+
+    def __init__(self, cfg: ModelConfig, train: Parallel, infer: Parallel, layout: str) -> None:
+        if layout not in ("vllm", "hf"):
+            raise ReshardError(f"layout must be 'vllm' or 'hf', got {layout!r}")
+        check_train(cfg, train)
+        check_infer(cfg, infer)
+        self.cfg, self.train, self.infer, self.layout = cfg, train, infer, layout
+        self.itemsize = cfg.itemsize
+        self.hf: dict[str, HFTensor] = hf_tensors(cfg, train)
+        self.stage_params = [megatron_stage_params(cfg, train, s) for s in range(train.pp)]
+        self._targets: dict[int, list[Target]] = {}
+        self._buckets: dict[int, list[Bucket]] = {}
+        self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._native: dict[tuple[int, int], list[Any]] = {}
+        self.mirrors: dict[str, Any] = {}  # persistent pinned host mirrors, by parameter name (see swap.py)
+        self._active: Any = None  # the Swap not yet swapped back
+
+    def __repr__(self) -> str:
+        return f"ReshardPlan({self.cfg.arch}, train={self.train}, infer={self.infer}, layout={self.layout!r})"
+
+    # -- parameters ------------------------------------------------------------------------------
+    def train_shapes(self, stage: int) -> dict[str, tuple[int, ...]]:
+        return {n: s for n, s, _ in self.stage_params[stage]}
+
+    def train_bytes(self, stage: int) -> int:
+        return sum(int(np.prod(s)) * self.itemsize for _, s, _ in self.stage_params[stage])
+
+    # -- inference side --------------------------------------------------------------------------
+    def targets(self, infer_rank: int = 0) -> list[Target]:
+        if infer_rank not in self._targets:
+            if self.layout == "hf":
+                self._targets[infer_rank] = hf_targets(self.cfg, self.hf)
+            else:
+                self._targets[infer_rank] = vllm_targets(self.cfg, self.hf, self.infer, infer_rank)
+        return self._targets[infer_rank]
+
+    def name_map(self, infer_rank: int = 0) -> dict[str, list[tuple[str, int, str]]]:
+        """Inference tensor -> ``[(HF name, PP stage, stage-local Megatron name), ...]`` it is built from."""
+        out: dict[str, list[tuple[str, int, str]]] = {}
+        for t in self.targets(infer_rank):
+            srcs = out.setdefault(t.name, [])
+            for pc in t.pieces:
+                src = self.hf[pc.hf].src
+                item = (pc.hf, src.stage, src.param)
+                if item not in srcs:
+                    srcs.append(item)
+        return out
+
+    def infer_layout(self, infer_rank: int = 0) -> tuple[dict[str, tuple[int, tuple[int, ...]]], int]:
+        """``{name: (byte offset, shape)}`` in the flat inference buffer, and its total bytes."""
+        off, out = 0, {}
+        for t in self.targets(infer_rank):
+            out[t.name] = (off, t.shape)
+            off = _align(off + t.numel * self.itemsize)
+        return out, off
+
+    def allocate_inference(self, infer_rank: int = 0, device: Any = "cpu") -> tuple[Any, dict[str, Any]]:
+        """A zeroed flat buffer and the named views into it (what an engine would alias)."""
+        import torch
+
+        layout, total = self.infer_layout(infer_rank)
+        flat = torch.zeros(total, dtype=torch.uint8, device=device)
+        return flat, views_of(flat, layout, _torch_dtype(self.cfg.dtype))
+
+    # -- buckets ---------------------------------------------------------------------------------
+    def buckets(self, bucket_bytes: int) -> list[Bucket]:
+        """All buckets of all stages in the global order every rank walks (stage-major). A parameter larger
+        than ``bucket_bytes`` is split into row chunks, so the gather scratch stays ``members * bucket_bytes``
+        (a single row larger than the bucket is the only exception)."""
+        if bucket_bytes <= 0:
+            raise ReshardError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if bucket_bytes in self._buckets:
+            return self._buckets[bucket_bytes]
+        sizes = {"tp": self.train.tp, "ep": self.train.ep}
+        out: list[Bucket] = []
+        for s, params in enumerate(self.stage_params):
+            for g in ("tp", "ep"):
+                cur: Bucket | None = None
+                for name, shape, grp in params:
+                    if grp != g:
+                        continue
+                    rows = shape[0]
+                    row_bytes = int(np.prod(shape[1:])) * self.itemsize
+                    step = max(1, bucket_bytes // row_bytes)
+                    for r0 in range(0, rows, step):
+                        r1 = min(rows, r0 + step)
+                        nb = (r1 - r0) * row_bytes
+                        if cur is None or (cur.params and cur.local_bytes + nb > bucket_bytes):
+                            cur = Bucket(len(out), s, g, sizes[g])
+                            out.append(cur)
+                        cur.params.append((name, shape, cur.local_bytes, nb, r0, r1))
+                        cur.local_bytes = _align(cur.local_bytes + nb)
+        self._buckets[bucket_bytes] = out
+        return out
+
+    # -- descriptors -----------------------------------------------------------------------------
+    def bucket_descriptors(self, bucket_bytes: int, infer_rank: int = 0) -> list[np.ndarray]:
+        """Per bucket an ``(N, 6)`` int64 array ``(src_off, dst_off, rows, row_bytes, src_pitch, dst_pitch)``:
+        src = the gathered bucket, dst = the flat inference buffer of ``infer_rank``."""
+        key = (bucket_bytes, infer_rank)
+        if key in self._descs:
+            return self._descs[key]
+        buckets = self.buckets(bucket_bytes)
+        chunks: dict[tuple[int, str], list[tuple[int, int, int, int]]] = {}
+        for b in buckets:
+            for name, _, off, _, r0, _ in b.params:
+                chunks.setdefault((b.stage, name), []).append((r0, b.index, off, b.local_bytes))
+        where = {
+            k: np.asarray(v, dtype=np.int64) for k, v in chunks.items()
+        }  # rows: r0, bucket, off, member_bytes
+        layout, _ = self.infer_layout(infer_rank)
+        es = self.itemsize
+        per_bucket: list[list[np.ndarray]] = [[] for _ in buckets]
+        for t in self.targets(infer_rank):
+            toff, _ = layout[t.name]
+            for pc in t.pieces:
+                if pc.nrows == 0:
+                    continue
+                src = self.hf[pc.hf].src
+                ch = where[(src.stage, src.param)]
+                lcols = src.local_shape[1]
+                rows = np.arange(pc.row0, pc.row0 + pc.nrows, dtype=np.int64)
+                if src.mode == "cols":
+                    d = _cols_descs(pc, rows, lcols, ch, toff, t.cols, es)
+                else:
+                    if src.mode == "whole":
+                        member, lrow = np.full_like(rows, src.member), rows
+                    else:
+                        assert src.row_map is not None
+                        member, lrow = src.row_map(rows)
+                    d = _rows_descs(pc, member, lrow, lcols, ch, toff, t.cols, es)
+                for bi in np.unique(d[:, 6]):
+                    per_bucket[int(bi)].append(d[d[:, 6] == bi, :6])
+        out = [np.concatenate(x) if x else np.zeros((0, 6), np.int64) for x in per_bucket]
+        self._descs[key] = out
+        return out
+
+    def native_plans(self, bucket_bytes: int, infer_rank: int = 0) -> list[Any]:
+        key = (bucket_bytes, infer_rank)
+        if key not in self._native:
+            from msrl_core import CopyPlan
+
+            self._native[key] = [
+                CopyPlan(d) if len(d) else None for d in self.bucket_descriptors(bucket_bytes, infer_rank)
+            ]
+        return self._native[key]
+
+
+def _rows_descs(pc, member, lrow, lcols, ch, toff, tcols, es) -> np.ndarray:
+    """Runs of consecutive local rows on one member inside one chunk -> descriptors (+ bucket column)."""
+    n = len(lrow)
+    ci = np.searchsorted(ch[:, 0], lrow, side="right") - 1
+    brk = np.flatnonzero((np.diff(member) != 0) | (np.diff(lrow) != 1) | (np.diff(ci) != 0)) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [n])))
+    m, r0, c = member[starts], lrow[starts], ci[starts]
+    src = m * ch[c, 3] + ch[c, 2] + ((r0 - ch[c, 0]) * lcols + pc.col0) * es
+    dst = toff + ((pc.dst_row + starts) * tcols + pc.dst_col) * es
+    k = len(starts)
+    return np.stack(
+        [src, dst, lens, np.full(k, pc.ncols * es), np.full(k, lcols * es), np.full(k, tcols * es), ch[c, 1]],
+        axis=1,
+    ).astype(np.int64)
+
+
+def _cols_descs(pc, rows, lcols, ch, toff, tcols, es) -> np.ndarray:
+    """Row-parallel source: columns split over members; rows split by chunk."""
+    out = []
+    ci = np.searchsorted(ch[:, 0], rows, side="right") - 1
+    brk = np.flatnonzero(np.diff(ci) != 0) + 1
+    for seg_rows in np.split(np.arange(len(rows)), brk):
+        r_first, nrows = int(rows[seg_rows[0]]), len(seg_rows)
+        r0c, bidx, off, mbytes = (int(x) for x in ch[ci[seg_rows[0]]])
+        c, end = pc.col0, pc.col0 + pc.ncols
+        while c < end:
+            m, lc = divmod(c, lcols)
+            seg = min(end - c, lcols - lc)
+            src = m * mbytes + off + ((r_first - r0c) * lcols + lc) * es
+            dst = toff + ((pc.dst_row + seg_rows[0]) * tcols + pc.dst_col + (c - pc.col0)) * es
+            out.append([src, dst, nrows, seg * es, lcols * es, tcols * es, bidx])
+            c += seg
+    return np.asarray(out, dtype=np.int64)
+
+
+def execute_numpy(descs: np.ndarray, dst: np.ndarray, src: np.ndarray) -> None:
+    """Reference executor of a descriptor array over uint8 buffers (tests; no native extension needed)."""
+    for so, do, rows, rb, sp, dp in np.asarray(descs, dtype=np.int64):
+        s = np.lib.stride_tricks.as_strided(src[so:], shape=(rows, rb), strides=(sp, 1))
+        d = np.lib.stride_tricks.as_strided(dst[do:], shape=(rows, rb), strides=(dp, 1))
+        d[...] = s
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def views_of(flat, layout: dict[str, tuple[int, tuple[int, ...]]], dtype) -> dict[str, Any]:
+    import torch
+
+    es = torch.empty(0, dtype=dtype).element_size()
+    out = {}
+    for name, (off, shape) in layout.items():
+        n = int(np.prod(shape)) * es
+        out[name] = flat[off : off + n].view(dtype).view(shape)
+    return out
+
+
+def megatron_to_vllm(model_config: ModelConfig, train: Parallel, infer: Parallel) -> ReshardPlan:
+    """Plan Megatron (tp, pp, ep) -> vLLM per-rank layout (tp, ep; pp 1)."""
+    return ReshardPlan(model_config, train, infer, "vllm")
+
+
+def to_hf(model_config: ModelConfig, train: Parallel) -> ReshardPlan:
+    """Plan Megatron -> Hugging Face checkpoint layout (full tensors, HF names) on every rank."""
+    return ReshardPlan(model_config, train, Parallel(tp=1), "hf")
