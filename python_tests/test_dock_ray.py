@@ -261,6 +261,15 @@ def test_stale_claims_and_reset_during_a_fetch_lease_on_the_shared_memory_path()
     assert dock.claim("gen", max_rows=8).epoch == old.epoch + 1
     b._wh(0, "unlease", lid)
     dock.reset()
+    # A worker that reserved rows and died before committing would block reset forever: force it.
+    rows = dock.put({"prompts": [np.arange(1)] * 4})
+    rid, _ = b._wh(int(dock.warehouse_of(rows[:1])[0]), "reserve", [(1, np.ones(4, np.int64))], rows, -1)
+    with pytest.raises(InvalidArgument, match="in flight"):
+        dock.reset()
+    dock.reset(force=True)
+    with pytest.raises(InvalidArgument, match="aborted by reset"):
+        b._wh(int(dock.warehouse_of(rows[:1])[0]), "commit", rid)
+    assert dock.stats()["allocated_rows"] == 0
     b.shutdown()
 
 

@@ -280,12 +280,14 @@ class Dock:
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
         return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
 
-    def reset(self) -> None:
+    def reset(self, force: bool = False) -> None:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
         changed) while a put, fetch or another reset is in flight. Claims blocked in ``claim`` keep
         waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
-        a put, fetch or release with it raises InvalidArgument instead of touching the new rows."""
-        self._backend.reset()
+        a put, fetch or release with it raises InvalidArgument instead of touching the new rows.
+        ``force=True`` (Ray backend) abandons same-node puts and fetches still registered in the
+        warehouses, e.g. of a worker that died between reserving and committing; their commits fail."""
+        self._backend.reset(force)
 
     def close(self) -> None:
         """Wakes blocked claims with ``Closed``; later claims raise ``Closed``."""

@@ -98,7 +98,8 @@ class LocalBackend:
     def allocated_rows(self) -> int:
         return self._core.allocated_rows()
 
-    def reset(self) -> None:
+    def reset(self, force: bool = False) -> None:
+        # In-process puts and fetches cannot be orphaned: force changes nothing here.
         self._core.reset()
 
     def close(self) -> None:

@@ -338,7 +338,12 @@ class WarehouseActor:
 
     def commit(self, rid: int) -> None:
         with self.lock:
-            self.wh.commit(self.pending.pop(rid))
+            res = self.pending.pop(rid, None)
+            if res is None:
+                raise InvalidArgument(
+                    f"put reservation {rid} was aborted by reset(force=True); nothing was stored"
+                )
+            self.wh.commit(res)
 
     def abort(self, rid: int) -> None:
         with self.lock:
@@ -395,8 +400,13 @@ class WarehouseActor:
         with self.lock:
             self._check_idle()
 
-    def reset(self, epoch: int) -> None:
+    def reset(self, epoch: int, force: bool = False) -> None:
         with self.lock:
+            if force:  # puts and fetches of clients that died (or are still running) are abandoned
+                for res in self.pending.values():
+                    self.wh.abort(res)
+                self.pending.clear()
+                self.leases.clear()
             self._check_idle()
             self.wh.reset()
             self.epoch = epoch
@@ -824,12 +834,13 @@ class RayBackend:
     def allocated_rows(self) -> int:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
 
-    def reset(self) -> None:
+    def reset(self, force: bool = False) -> None:
         # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
         # starting between this check and the warehouse resets can still make one of them refuse).
-        self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
+        if not force:
+            self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
         epoch = self._get(self.controller.call.remote("reset"), "controller")
-        self._get([h.reset.remote(epoch) for h in self.warehouses], "warehouses")
+        self._get([h.reset.remote(epoch, force) for h in self.warehouses], "warehouses")
 
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):
