@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -228,3 +228,95 @@ def test_threaded_stress_every_stage_sees_every_row_exactly_once():
     for s, counts in seen.items():
         assert (counts == 1).all(), f"stage {s}: rows seen {np.bincount(counts)} times"
     assert all(p["consumed_rows"] == capacity for p in dock.progress().values())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    group=st.sampled_from([1, 2, 4]),
+    groups=st.integers(4, 48),
+    warehouses=st.integers(1, 3),
+    producers=st.lists(st.integers(1, 4), min_size=1, max_size=3),  # groups per put, one entry per thread
+    consumers=st.lists(st.tuples(st.sampled_from(["a", "ab"]), st.integers(1, 5)), min_size=1, max_size=4),
+    release_every=st.integers(0, 3),
+)
+def test_concurrent_random_schedules_are_exactly_once(
+    group, groups, warehouses, producers, consumers, release_every
+):
+    """Random concurrent schedules: producer threads put rows (column a) in random chunk sizes, a
+    relay thread adds column b to every row it claims from stage "a", and consumer threads of the
+    stages claim random sizes, sometimes releasing a claim back. Every stage must end with every
+    row claimed exactly once (releases excluded), with the right content."""
+    capacity = groups * group
+    dock = Dock(
+        columns={"a": Column("int64", ragged=True, max_len=4), "b": Column("int64")},
+        stages={"a": ["a"], "ab": ["a", "b"], "relay": ["a"]},
+        capacity=capacity,
+        group_size=group,
+        warehouses=min(warehouses, groups),
+    )
+    kept = {s: np.zeros(capacity, dtype=np.int64) for s in ("a", "ab")}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    budget = [groups]  # groups left to produce
+
+    def producer(chunk):
+        while True:
+            with lock:
+                take = min(chunk, budget[0])
+                budget[0] -= take
+            if take == 0:
+                return
+            rows = np.arange(take * group)
+            dock.put({"a": [np.full(1 + int(i) % 3, 7) for i in rows]})
+
+    def relay():
+        done = 0
+        while done < capacity:
+            meta = dock.claim("relay", max_rows=capacity, timeout=0.05)
+            if len(meta):
+                b = dock.fetch(meta, ["a"])
+                dock.put({"b": np.array([len(x) for x in b["a"]], dtype=np.int64)}, rows=meta)
+                done += len(meta)
+
+    def consumer(stage, groups_per_claim, k):
+        n = 0
+        while True:
+            with lock:
+                if kept[stage].sum() >= capacity:
+                    return
+            meta = dock.claim(stage, max_rows=groups_per_claim * group, timeout=0.02, min_rows=0)
+            if not len(meta):
+                continue
+            n += 1
+            if release_every and n % (release_every + 1) == 0:  # at most every other claim goes back
+                dock.release(meta)
+                continue
+            b = dock.fetch(meta)
+            assert all((x == 7).all() for x in b["a"])
+            if stage == "ab":
+                assert b["b"].tolist() == [len(x) for x in b["a"]]
+            with lock:
+                np.add.at(kept[stage], meta.rows, 1)
+
+    def guarded(fn, *args):
+        def run():
+            try:
+                fn(*args)
+            except BaseException as e:
+                errors.append(e)
+
+        return threading.Thread(target=run, daemon=True)
+
+    threads = [guarded(producer, c) for c in producers] + [guarded(relay)]
+    threads += [guarded(consumer, s, g, k) for k, (s, g) in enumerate(consumers)]
+    threads += [guarded(consumer, s, 2, 99) for s in ("a", "ab") if s not in {c[0] for c in consumers}]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    assert not errors, errors
+    for s, counts in kept.items():
+        assert (counts == 1).all(), f"stage {s}: claim counts {np.bincount(counts)}"
+    prog = dock.progress()
+    assert prog["a"]["consumed_rows"] == prog["ab"]["consumed_rows"] == capacity
