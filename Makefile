@@ -14,8 +14,9 @@ PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 setup: apt install
 
 apt:
-	@if ! [ -f /usr/include/gtest/gtest.h ] || ! [ -f /usr/include/benchmark/benchmark.h ]; then \
-	  apt-get update -qq && apt-get install -y -qq libgtest-dev libbenchmark-dev >/dev/null; fi
+	@if ! [ -f /usr/include/gtest/gtest.h ] || ! [ -f /usr/include/benchmark/benchmark.h ] || \
+	    ! command -v clang-format >/dev/null; then \
+	  apt-get update -qq && apt-get install -y -qq libgtest-dev libbenchmark-dev clang-format >/dev/null; fi
 
 venv:
 	@[ -x $(VPY) ] || $(PY) -m venv --system-site-packages $(VENV)
@@ -57,7 +58,8 @@ cpp-tsan: build-tsan
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build/tsan/cpp_tests/msrl_cpp_tests \
 	  --gtest_filter='HostRuntime.*:PinnedPool.*:CopyEngine.*:Controller*.*:Warehouse*.*:Dock*.*'
 
-lint: venv
+lint: apt venv
+	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')
 	$(VPY) -m ruff check src python_tests vllm_tests bench examples
 	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples
 	$(VPY) -m mypy
