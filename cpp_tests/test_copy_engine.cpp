@@ -8,19 +8,10 @@
 #include "common/error.h"
 #include "copy/copy_engine.h"
 #include "memory/pinned_pool.h"
+#include "test_util.h"
 
 using namespace msrl;
-
-namespace {
-Code code_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code{0};
-}
-}  // namespace
+using msrl::testing::code_of;
 
 TEST(CopyEngine, PageableRoundTripThroughPinned) {
   auto rt = make_host_runtime();

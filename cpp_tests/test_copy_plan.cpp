@@ -7,18 +7,12 @@
 #include "common/error.h"
 #include "copy/copy_plan.h"
 #include "runtime/device_runtime.h"
+#include "test_util.h"
 
 using namespace msrl;
+using msrl::testing::code_of;
 
 namespace {
-Code code_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.code();
-  }
-  return Code{0};
-}
 
 // Applies a plan byte by byte, the slow obvious way.
 std::vector<uint8_t> reference(const std::vector<CopyDescriptor>& descs, const std::vector<uint8_t>& src,

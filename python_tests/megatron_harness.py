@@ -346,6 +346,8 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         V = cfg.vocab_size
         res["logits_max_abs_diff"] = float((got - ref_logits[..., :V]).abs().max())
         res["logits_scale"] = float(ref_logits[..., :V].abs().max())
+    if case.get("save") and rank == 0:  # the HF-layout tensors, for the vLLM tier (vllm_tests/)
+        torch.save({"hf": {k: v.clone() for k, v in views.items()}}, case["save"])
     swap.swap_back()
     swap.wait()
     res["restored_equal"] = _crcs(model) == before

@@ -14,15 +14,14 @@
 // - Events come from aclrtCreateEvent, which supports timing, stream waits and host waits alike, so the
 //   `timing` flag needs no special event. Unlike CUDA, an event that was never recorded queries as not ready.
 // - Error text comes from aclGetRecentErrMsg (per thread, read-and-clear) when the library has it.
-#include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "common/error.h"
 #include "runtime/acl_abi.h"
 #include "runtime/device_runtime.h"
+#include "runtime/dl_library.h"
 
 namespace msrl {
 namespace {
@@ -45,30 +44,16 @@ struct AscendCL {
 // Loads `library`, else $MSRL_ASCENDCL_PATH, else libascendcl.so, and resolves every symbol. Required
 // symbols that are missing make the backend unavailable; optional ones stay null.
 AscendCL load_ascendcl(const std::string& library, std::string* path) {
-  const char* env = std::getenv("MSRL_ASCENDCL_PATH");
-  if (!library.empty()) {
-    *path = library;
-  } else if (env != nullptr && *env != '\0') {
-    *path = env;
-  } else {
-    *path = "libascendcl.so";
-  }
-  void* handle = dlopen(path->c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = dlerror();  // names the file
-    MSRL_THROW(kUnavailable, "cannot load AscendCL (set MSRL_ASCENDCL_PATH to libascendcl.so): ",
-               why != nullptr ? std::string(why) : *path + ": dlopen failed");
-  }
+  void* handle = open_library(library_candidates(library, "MSRL_ASCENDCL_PATH", {"libascendcl.so"}),
+                              "AscendCL (set MSRL_ASCENDCL_PATH to libascendcl.so)", path);
+  constexpr const char* kWhat = "AscendCL (libascendcl)";
   AscendCL api;
-#define MSRL_ACL_RESOLVE(name, ret, params)                                                             \
-  api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));                                         \
-  if (api.name == nullptr) {                                                                            \
-    dlclose(handle); /* nothing from this library is alive yet */                                       \
-    MSRL_THROW(kUnavailable, *path, " lacks the symbol ", #name, "; it is not AscendCL (libascendcl)"); \
-  }
+#define MSRL_ACL_RESOLVE(name, ret, params) \
+  api.name = reinterpret_cast<name##_fn>(library_symbol(handle, #name, *path, kWhat, true));
   MSRL_ACL_SYMBOLS(MSRL_ACL_RESOLVE)
 #undef MSRL_ACL_RESOLVE
-#define MSRL_ACL_RESOLVE_OPTIONAL(name, ret, params) api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));
+#define MSRL_ACL_RESOLVE_OPTIONAL(name, ret, params) \
+  api.name = reinterpret_cast<name##_fn>(library_symbol(handle, #name, *path, kWhat, false));
   MSRL_ACL_OPTIONAL_SYMBOLS(MSRL_ACL_RESOLVE_OPTIONAL)
 #undef MSRL_ACL_RESOLVE_OPTIONAL
   return api;

@@ -4,15 +4,14 @@
 //
 // The library handle is never closed: pinned buffers, streams and events may outlive any one runtime
 // object, and unloading libcudart under them would turn a late free into a crash.
-#include <dlfcn.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
 #include "runtime/cuda_abi.h"
 #include "runtime/device_runtime.h"
+#include "runtime/dl_library.h"
 
 namespace msrl {
 namespace {
@@ -34,35 +33,13 @@ struct Cudart {
 // Loads `library`, else $MSRL_CUDART_PATH, else the first soname that loads, and resolves every symbol.
 // An explicit path that fails is an error; it never falls back to some other copy of the runtime.
 Cudart load_cudart(const std::string& library, std::string* path) {
-  std::vector<std::string> candidates;
-  const char* env = std::getenv("MSRL_CUDART_PATH");
-  if (!library.empty()) {
-    candidates = {library};
-  } else if (env != nullptr && *env != '\0') {
-    candidates = {env};
-  } else {
-    candidates = {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"};
-  }
-  void* handle = nullptr;
-  std::string tried;
-  for (const auto& candidate : candidates) {
-    handle = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle != nullptr) {
-      *path = candidate;
-      break;
-    }
-    const char* why = dlerror();  // names the file
-    tried += (tried.empty() ? "" : "; ") + (why != nullptr ? std::string(why) : candidate + ": dlopen failed");
-  }
-  MSRL_CHECK(handle != nullptr, kUnavailable,
-             "cannot load the CUDA runtime (set MSRL_CUDART_PATH to libcudart.so): ", tried);
+  void* handle =
+      open_library(library_candidates(library, "MSRL_CUDART_PATH",
+                                      {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}),
+                   "the CUDA runtime (set MSRL_CUDART_PATH to libcudart.so)", path);
   Cudart api;
-#define MSRL_CUDART_RESOLVE(name, ret, params)                                                              \
-  api.name = reinterpret_cast<name##_fn>(dlsym(handle, #name));                                             \
-  if (api.name == nullptr) {                                                                                \
-    dlclose(handle); /* nothing from this library is alive yet */                                           \
-    MSRL_THROW(kUnavailable, *path, " lacks the symbol ", #name, "; it is not a CUDA runtime (libcudart)"); \
-  }
+#define MSRL_CUDART_RESOLVE(name, ret, params) \
+  api.name = reinterpret_cast<name##_fn>(library_symbol(handle, #name, *path, "a CUDA runtime (libcudart)", true));
   MSRL_CUDART_SYMBOLS(MSRL_CUDART_RESOLVE)
 #undef MSRL_CUDART_RESOLVE
   return api;
