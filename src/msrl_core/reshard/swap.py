@@ -178,13 +178,18 @@ class Swap:
 
     def swap_back(self, stream: Any = None) -> Swap:
         """Re-materialise the training storages and copy the host mirrors back, on the engine's H2D lane,
-        after work already queued on ``stream``. Returns immediately; call :meth:`wait` before training."""
+        after work already queued on ``stream`` (default: the current stream of the weights' device).
+        Returns immediately; call :meth:`wait` before training."""
         if self._state != "swapped_out":
             raise SwapStateError(
                 f"swap_back called twice (state is {self._state!r}); the weights are already back"
             )
         import torch
 
+        if stream is None and self._storages:
+            # On a GPU the caching allocator may hand the re-materialised storages blocks that kernels
+            # still queued on the current stream are using: the copies must start after that work.
+            stream = _current_stream(self._storages[0][3])
         self._t0 = time.perf_counter()
         restored = []
         try:
