@@ -153,3 +153,65 @@ TEST(CopyEngine, WaitTimesOutWithoutLosingTheCopy) {
   EXPECT_EQ(y[y.size() - 1], 9);
   engine.synchronize(10);
 }
+
+TEST(CopyEngine, CopyBatchMovesManyBuffersAsOneTicket) {
+  auto rt = make_host_runtime();
+  for (bool bounce : {false, true}) {
+    EngineOptions o;
+    o.chunk_bytes = 4096;
+    o.force_bounce = bounce;
+    CopyEngine engine(rt, o);
+    std::vector<std::vector<uint8_t>> src, dst;
+    std::vector<CopyRegion> regions;
+    for (size_t i = 0; i < 50; ++i) {
+      size_t n = 1 + i * 997;  // odd sizes, some larger than a bounce chunk
+      src.emplace_back(n);
+      dst.emplace_back(n, 0);
+      for (size_t b = 0; b < n; ++b) src.back()[b] = static_cast<uint8_t>(b * 7 + i);
+    }
+    for (size_t i = 0; i < src.size(); ++i) regions.push_back({dst[i].data(), src[i].data(), src[i].size()});
+    regions.push_back({nullptr, nullptr, 0});  // empty regions are skipped
+    auto t = engine.copy_batch(regions, CopyKind::kHostToDevice);
+    engine.wait(*t, 30);
+    EXPECT_EQ(dst, src) << "bounce=" << bounce;
+    EXPECT_EQ(engine.stats().submitted, 1u);
+    EXPECT_EQ(engine.stats().bounced_bytes > 0, bounce);
+  }
+}
+
+TEST(CopyEngine, CopyBatchRejectsBadRegionsAndSubmitsNothing) {
+  auto rt = make_host_runtime();
+  CopyEngine engine(rt);
+  std::vector<char> a(100), b(100);
+  EXPECT_EQ(code_of([&] {
+              engine.copy_batch({{b.data(), a.data(), 50}, {b.data() + 40, a.data(), 20}}, CopyKind::kHostToHost);
+            }),
+            Code::kInvalidArgument);  // destinations overlap
+  EXPECT_EQ(code_of([&] {
+              engine.copy_batch({{nullptr, a.data(), 5}}, CopyKind::kHostToHost);
+            }),
+            Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] {
+              engine.copy_batch({{a.data() + 1, a.data(), 5}}, CopyKind::kHostToHost);
+            }),
+            Code::kInvalidArgument);  // source and destination overlap
+  EXPECT_EQ(engine.stats().submitted, 0u);
+}
+
+TEST(CopyEngine, BackToBackBouncedCopiesDoNotReuseABusyBounceBuffer) {
+  auto rt = make_host_runtime();
+  EngineOptions o;
+  o.chunk_bytes = 4096;
+  o.force_bounce = true;
+  CopyEngine engine(rt, o);
+  std::vector<std::vector<uint8_t>> src, dst;
+  std::vector<std::shared_ptr<Ticket>> tickets;
+  for (int i = 0; i < 20; ++i) {
+    src.emplace_back(4096 * 3 + 17, static_cast<uint8_t>(i + 1));
+    dst.emplace_back(src.back().size(), 0);
+  }
+  for (int i = 0; i < 20; ++i)
+    tickets.push_back(engine.copy(dst[i].data(), src[i].data(), src[i].size(), CopyKind::kHostToDevice));
+  for (auto& t : tickets) engine.wait(*t, 30);
+  EXPECT_EQ(dst, src);
+}

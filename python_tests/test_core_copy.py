@@ -173,3 +173,24 @@ def test_gil_is_released_while_waiting():
         th.join()
     assert dst[-1] == 1
     assert during >= 2  # the Python thread kept running while the copy was waited on
+
+
+def test_copy_many_moves_every_pair_with_one_ticket():
+    torch = pytest.importorskip("torch")
+    engine = msrl_core.CopyEngine()
+    pool = msrl_core.PinnedPool()
+    params = [torch.randn(n) for n in (1, 1000, 65_537, 3 << 20)]
+    mirrors = [torch.frombuffer(pool.allocate(p.nbytes), dtype=torch.float32) for p in params]
+    t = engine.copy_many(mirrors, params, kind="d2h")
+    t.wait(timeout=30)
+    assert t.nbytes == sum(p.nbytes for p in params)
+    assert all(torch.equal(m, p) for m, p in zip(mirrors, params))
+    assert engine.stats()["submitted"] == 1
+    with pytest.raises(
+        errors.InvalidArgument, match="pair 1: srcs\\[1\\] has 4000 bytes but dsts\\[1\\] has 4"
+    ):
+        engine.copy_many([mirrors[0], mirrors[0]], params[:2])
+    with pytest.raises(errors.InvalidArgument, match="dsts has 1 buffers but srcs has 2"):
+        engine.copy_many(mirrors[:1], params[:2])
+    with pytest.raises(errors.InvalidArgument, match="overlapping destination"):
+        engine.copy_many([mirrors[3][:10], mirrors[3][5:15]], [params[1][:10], params[1][:10]])

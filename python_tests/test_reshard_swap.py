@@ -191,6 +191,9 @@ class _FailingEngine:
     def copy(self, *a, **k):
         return self.e.copy(*a, **k)
 
+    def copy_many(self, *a, **k):
+        return self.e.copy_many(*a, **k)
+
 
 def test_failure_mid_switch_names_the_bucket_and_keeps_training_weights(setup):
     plan, params, snap = setup
@@ -204,25 +207,36 @@ def test_failure_mid_switch_names_the_bucket_and_keeps_training_weights(setup):
 
 
 class _FailingSwapEngine(_FailingEngine):
-    def copy(self, *a, **k):
+    def copy_many(self, *a, **k):
         self.n += 1
         if self.n == self.fail_at:
             raise msrl_core.errors.OutOfMemory("injected swap failure")
-        return self.e.copy(*a, **k)
+        return self.e.copy_many(*a, **k)
 
     def execute(self, *a, **k):
         return self.e.execute(*a, **k)
 
 
-def test_failure_during_swap_out_restores_training_weights(setup):
+def test_failure_of_the_swap_out_copies_leaves_training_weights(setup):
     plan, params, snap = setup
     flat, _ = plan.allocate_inference()
-    fifth = list(params)[4]  # the 5th copy is the 5th parameter's storage
-    with pytest.raises(ReshardError, match=f"swap-out failed at parameter '{fifth}'.*restored"):
+    with pytest.raises(ReshardError, match="swap-out failed at .*injected swap failure.*restored"):
         allgather_swap(
-            params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(5)
+            params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(1)
         )
     assert intact(params, snap) and plan._active is None
+    assert all(p.untyped_storage().nbytes() > 0 for p in params.values())
+
+
+def test_failure_while_freeing_restores_the_storages_already_freed(setup):
+    plan, params, snap = setup
+    flat, _ = plan.allocate_inference()
+    fifth = list(params)[4]
+    params[fifth].numpy()  # a storage shared with numpy can no longer be resized: freeing it fails
+    with pytest.raises(ReshardError, match=f"swap-out failed at parameter '{fifth}'.*restored"):
+        allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
+    assert intact(params, snap) and plan._active is None
+    assert all(p.untyped_storage().nbytes() > 0 for p in params.values())  # the first four came back
 
 
 def test_memory_accounting_versus_naive_path():

@@ -133,6 +133,25 @@ void bind_copy(py::module_& m) {
           },
           py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("kind"), py::arg("after") = py::none())
       .def(
+          "copy_batch",
+          [](const std::shared_ptr<CopyEngine>& e, const std::vector<py::int_>& dsts, const std::vector<py::int_>& srcs,
+             const std::vector<int64_t>& nbytes, const std::string& kind, const py::object& after) {
+            MSRL_CHECK(dsts.size() == srcs.size() && srcs.size() == nbytes.size(), kInvalidArgument,
+                       "dsts, srcs and nbytes must have the same length, got ", dsts.size(), ", ", srcs.size(), " and ",
+                       nbytes.size());
+            std::vector<CopyRegion> regions(dsts.size());
+            for (size_t i = 0; i < regions.size(); ++i) {
+              regions[i].nbytes = checked_size(nbytes[i], "nbytes");
+              regions[i].dst = checked_pointer(dsts[i], "dst", regions[i].nbytes == 0);
+              regions[i].src = checked_pointer(srcs[i], "src", regions[i].nbytes == 0);
+            }
+            CopyKind k = parse_kind(kind);
+            Stream a = parse_stream(after);
+            py::gil_scoped_release release;
+            return PyTicket{e->copy_batch(std::move(regions), k, a), e};
+          },
+          py::arg("dsts"), py::arg("srcs"), py::arg("nbytes"), py::arg("kind"), py::arg("after") = py::none())
+      .def(
           "execute",
           [](const std::shared_ptr<CopyEngine>& e, const std::shared_ptr<CopyPlan>& plan, const py::int_& dst,
              int64_t dst_bytes, const py::int_& src, int64_t src_bytes, const std::string& kind,

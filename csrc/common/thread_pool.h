@@ -44,7 +44,16 @@ class ThreadPool {
   std::mutex run_mu_;  // one parallel_for at a time
 };
 
-// memcpy split into `pieces` of at least `min_piece` bytes each, run on the shared pool.
+// memcpy split into pieces of at least 4 MiB, run on the shared pool.
 void parallel_memcpy(void* dst, const void* src, size_t nbytes);
+
+// Many independent copies: pieces that continue one another are merged, and large totals are split into
+// about equal byte ranges across the shared pool.
+struct Segment {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t nbytes;
+};
+void copy_segments(std::vector<Segment> segs);
 
 }  // namespace msrl

@@ -189,6 +189,7 @@ struct CopyEngine::Lane {
   bool inflight_closed = false;
   void* bounce[2] = {nullptr, nullptr};
   Event bounce_free[2] = {nullptr, nullptr};
+  bool bounce_recorded[2] = {false, false};  // an event never recorded must not be waited on (ACL)
   std::thread issuer, completer;
 };
 
@@ -288,6 +289,51 @@ std::shared_ptr<Ticket> CopyEngine::copy(void* dst, const void* src, size_t nbyt
   });
 }
 
+std::shared_ptr<Ticket> CopyEngine::copy_batch(std::vector<CopyRegion> regions, CopyKind kind, Stream after) {
+  bool host_device = !rt_->device_is_host() || options_.force_bounce;
+  std::vector<CopyRegion> direct, bounced;
+  std::vector<std::pair<uintptr_t, uintptr_t>> dst_spans;
+  uint64_t total = 0, staged = 0;
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const CopyRegion& r = regions[i];
+    if (r.nbytes == 0) continue;
+    MSRL_CHECK(r.nbytes < (uint64_t{1} << 48), kInvalidArgument, "region ", i, ": size ", r.nbytes,
+               " is negative or too large");
+    MSRL_CHECK(r.dst != nullptr && r.src != nullptr, kInvalidArgument, "region ", i, ": ",
+               r.dst == nullptr ? "destination" : "source", " is a null pointer");
+    auto d = reinterpret_cast<uintptr_t>(r.dst), s = reinterpret_cast<uintptr_t>(r.src);
+    MSRL_CHECK(d + r.nbytes <= s || s + r.nbytes <= d, kInvalidArgument, "region ", i, ": source ", r.src,
+               " and destination ", r.dst, " overlap within ", r.nbytes, " bytes");
+    dst_spans.push_back({d, d + r.nbytes});
+    bool bounce = host_device && ((kind == CopyKind::kHostToDevice && !PinnedPool::is_pinned(r.src, r.nbytes)) ||
+                                  (kind == CopyKind::kDeviceToHost && !PinnedPool::is_pinned(r.dst, r.nbytes)));
+    (bounce ? bounced : direct).push_back(r);
+    total += r.nbytes;
+    if (bounce) staged += r.nbytes;
+  }
+  std::sort(dst_spans.begin(), dst_spans.end());
+  for (size_t k = 1; k < dst_spans.size(); ++k) {
+    MSRL_CHECK(dst_spans[k].first >= dst_spans[k - 1].second, kInvalidArgument,
+               "two regions write overlapping destination bytes at 0x", std::hex, dst_spans[k].first);
+  }
+  if (staged > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bounced_bytes += staged;
+  }
+  return submit(kind, total, after, [this, kind, direct = std::move(direct), bounced = std::move(bounced)](Lane& lane) {
+    if (!direct.empty()) rt_->memcpy_batch_async(direct.data(), direct.size(), kind, lane.stream);
+    for (const CopyRegion& r : bounced) {
+      auto* dst = static_cast<char*>(r.dst);
+      auto* src = static_cast<const char*>(r.src);
+      if (kind == CopyKind::kHostToDevice) {
+        copy_bounced_h2d(lane, dst, src, r.nbytes);
+      } else {
+        copy_bounced_d2h(lane, dst, src, r.nbytes);
+      }
+    }
+  });
+}
+
 std::shared_ptr<Ticket> CopyEngine::execute(std::shared_ptr<const CopyPlan> plan, void* dst, size_t dst_bytes,
                                             const void* src, size_t src_bytes, CopyKind kind, Stream after) {
   MSRL_CHECK(plan != nullptr, kInvalidArgument, "plan is null");
@@ -313,10 +359,12 @@ void CopyEngine::copy_bounced_h2d(Lane& lane, char* dst, const char* src, size_t
   for (size_t off = 0, i = 0; off < nbytes; off += chunk, ++i) {
     size_t len = std::min(chunk, nbytes - off);
     int b = static_cast<int>(i % 2);
-    if (i >= 2) rt_->event_synchronize(lane.bounce_free[b]);  // its previous DMA is done
+    // The buffer's previous DMA (of this copy or an earlier one on the lane) must be done.
+    if (lane.bounce_recorded[b]) rt_->event_synchronize(lane.bounce_free[b]);
     parallel_memcpy(lane.bounce[b], src + off, len);
     rt_->memcpy_async(dst + off, lane.bounce[b], len, CopyKind::kHostToDevice, lane.stream);
     rt_->event_record(lane.bounce_free[b], lane.stream);
+    lane.bounce_recorded[b] = true;
   }
 }
 

@@ -70,6 +70,11 @@ class CopyEngine {
   // Copies nbytes. `after`, when not null, is a caller stream: the copy starts only after work already
   // enqueued there. Pinnedness of host pointers is looked up in PinnedPool::is_pinned.
   std::shared_ptr<Ticket> copy(void* dst, const void* src, size_t nbytes, CopyKind kind, Stream after = nullptr);
+  // Copies every region as one job with one ticket: fewer runtime calls and one completion to wait for
+  // when moving many buffers (a model's parameters). Regions needing staging are bounced one by one.
+  // Throws InvalidArgument for a null pointer, a region whose source and destination overlap, or two
+  // regions whose destinations overlap; nothing is submitted then.
+  std::shared_ptr<Ticket> copy_batch(std::vector<CopyRegion> regions, CopyKind kind, Stream after = nullptr);
   // Runs a plan from src to dst (both ends bounds-checked against the plan's extents).
   std::shared_ptr<Ticket> execute(std::shared_ptr<const CopyPlan> plan, void* dst, size_t dst_bytes, const void* src,
                                   size_t src_bytes, CopyKind kind, Stream after = nullptr);

@@ -21,6 +21,14 @@ struct CopyDescriptor {
   uint64_t dst_end() const { return rows == 0 ? dst_offset : dst_offset + (rows - 1) * dst_pitch + row_bytes; }
 };
 
+// One 1-D copy between absolute addresses: the unit of a batch of unrelated buffers (say, every
+// parameter of a model) submitted as one job.
+struct CopyRegion {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t nbytes = 0;
+};
+
 static_assert(sizeof(CopyDescriptor) == 48, "CopyDescriptor is shared with numpy as 6 x uint64");
 
 }  // namespace msrl

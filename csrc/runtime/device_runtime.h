@@ -59,6 +59,9 @@ class DeviceRuntime {
   // backends with a cheaper fused path override it.
   virtual void plan_async(const CopyDescriptor* descs, size_t count, char* dst, const char* src, CopyKind kind,
                           Stream stream);
+  // Enqueues independent 1-D copies. The default issues one copy per region; the host backend runs them
+  // as one task spread over its threads.
+  virtual void memcpy_batch_async(const CopyRegion* regions, size_t count, CopyKind kind, Stream stream);
 
   virtual Event event_create(bool timing) = 0;
   virtual void event_destroy(Event event) = 0;

@@ -217,6 +217,17 @@ class HostRuntime final : public DeviceRuntime {
     if (nbytes == 0) return;
     submit(stream, [dst, src, nbytes] { parallel_memcpy(dst, src, nbytes); });
   }
+  void memcpy_batch_async(const CopyRegion* regions, size_t count, CopyKind, Stream stream) override {
+    std::vector<Segment> segs;
+    segs.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      if (regions[i].nbytes == 0) continue;
+      segs.push_back(
+          {static_cast<uint8_t*>(regions[i].dst), static_cast<const uint8_t*>(regions[i].src), regions[i].nbytes});
+    }
+    if (segs.empty()) return;
+    submit(stream, [segs = std::move(segs)]() mutable { copy_segments(std::move(segs)); });
+  }
   void memcpy2d_async(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
                       CopyKind kind, Stream stream) override {
     CopyDescriptor d{0, 0, height, width, spitch, dpitch};

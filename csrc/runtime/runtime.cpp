@@ -31,6 +31,12 @@ void DeviceRuntime::plan_async(const CopyDescriptor* descs, size_t count, char* 
   }
 }
 
+void DeviceRuntime::memcpy_batch_async(const CopyRegion* regions, size_t count, CopyKind kind, Stream stream) {
+  for (size_t i = 0; i < count; ++i) {
+    if (regions[i].nbytes > 0) memcpy_async(regions[i].dst, regions[i].src, regions[i].nbytes, kind, stream);
+  }
+}
+
 namespace {
 
 std::mutex g_mu;

@@ -105,6 +105,14 @@ class CopyEngine:
     def copy(
         self, dst: int, src: int, nbytes: int, kind: str, after: Stream | int | None = None
     ) -> Ticket: ...
+    def copy_batch(
+        self,
+        dsts: list[int],
+        srcs: list[int],
+        nbytes: list[int],
+        kind: str,
+        after: Stream | int | None = None,
+    ) -> Ticket: ...
     def execute(
         self,
         plan: CopyPlan,

@@ -112,6 +112,38 @@ class CopyEngine:
             raise InvalidArgument(f"nbytes={n} is outside [0, min(src {s.nbytes}, dst {d.nbytes})]")
         return self._hold(self._engine.copy(d.ptr, s.ptr, n, _kind(s, d, kind), _stream_arg(after)), s, d)
 
+    def copy_many(self, dsts: Any, srcs: Any, kind: str | None = None, after: Any = None) -> Ticket:
+        """Copy ``srcs[i]`` into ``dsts[i]`` for every i as one job with one ticket.
+
+        All pairs share one direction (``kind``, or the one their memory implies). Moving a model's
+        parameters this way costs one submission instead of one per tensor.
+        """
+        dsts, srcs = list(dsts), list(srcs)
+        if len(dsts) != len(srcs):
+            raise InvalidArgument(f"dsts has {len(dsts)} buffers but srcs has {len(srcs)}")
+        pairs = [
+            (region(s, f"srcs[{i}]"), region(d, f"dsts[{i}]", writable=True))
+            for i, (s, d) in enumerate(zip(srcs, dsts))
+        ]
+        kinds = {_kind(s, d, kind) for s, d in pairs} or {kind or "h2h"}
+        if len(kinds) > 1:
+            raise InvalidArgument(
+                f"copy_many needs one direction for every pair, got {sorted(kinds)}; pass kind="
+            )
+        for i, (s, d) in enumerate(pairs):
+            if s.nbytes != d.nbytes:
+                raise InvalidArgument(
+                    f"pair {i}: srcs[{i}] has {s.nbytes} bytes but dsts[{i}] has {d.nbytes}"
+                )
+        t = self._engine.copy_batch(
+            [d.ptr for _, d in pairs],
+            [s.ptr for s, _ in pairs],
+            [s.nbytes for s, _ in pairs],
+            kinds.pop(),
+            _stream_arg(after),
+        )
+        return self._hold(t, *(r for pair in pairs for r in pair))
+
     def execute(
         self, plan: CopyPlan, dst: Any, src: Any, kind: str | None = None, after: Any = None
     ) -> Ticket:

@@ -191,14 +191,15 @@ class Swap:
             # still queued on the current stream are using: the copies must start after that work.
             stream = _current_stream(self._storages[0][3])
         self._t0 = time.perf_counter()
-        restored = []
+        name = "(none)"
         try:
+            dsts, srcs = [], []
             for name, st, nbytes, device in self._storages:
                 st.resize_(nbytes)
-                restored.append(name)
-                dst = _bytes_view(st, device)
-                src = torch.frombuffer(self._mirrors[name], dtype=torch.uint8, count=nbytes)
-                self._tickets.append(self._engine.copy(dst, src, after=stream))
+                dsts.append(_bytes_view(st, device))
+                srcs.append(torch.frombuffer(self._mirrors[name], dtype=torch.uint8, count=nbytes))
+            name = "(all storages, one batch)"
+            self._tickets.append(self._engine.copy_many(dsts, srcs, kind="h2d", after=stream))
         except Exception as e:
             raise ReshardError(f"swap_back failed at parameter {name!r}: {e}") from e
         self._stream = stream
@@ -483,14 +484,15 @@ def allgather_swap(
                 m = mirrors.get(n)
                 if m is None or m.nbytes < nbytes:
                     m = mirrors[n] = pool.allocate(nbytes)
-            tickets = []
             t_copy0 = time.perf_counter()
-            for n, st, nbytes, dev in storages:
-                at = n
-                dst = torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
-                tickets.append(engine.copy(dst, _bytes_view(st, dev), after=cur_stream))
-            for t in tickets:
-                t.wait(60.0)
+            at = "(all storages, one batch)"
+            # every storage in one job: one submission and one ticket, however many parameters
+            engine.copy_many(
+                [torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nb) for n, _, nb, _ in storages],
+                [_bytes_view(st, dev) for _, st, _, dev in storages],
+                kind="d2h",
+                after=cur_stream,
+            ).wait(60.0)
             t_copied = time.perf_counter()
             for n, st, nbytes, dev in storages:
                 at = n
