@@ -51,6 +51,9 @@ def _timed(fn, reps: int, dist) -> tuple[float, list[float]]:
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # one process per device shares the node's cores: each rank's copy threads get its share (set before
+    # msrl_core starts its pool), as torch's intra-op threads are set to 1 below
+    os.environ.setdefault("MSRL_COPY_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     import torch
     import torch.distributed as dist
 
@@ -226,6 +229,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     rows.append(rows_swap_in_fresh)
     common = dict(
         thp_mem_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+        copy_threads=int(os.environ["MSRL_COPY_THREADS"]),
         backend=msrl_core.runtime_info()["selected"],
         world=world,
         transport="gloo",

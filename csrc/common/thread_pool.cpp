@@ -1,6 +1,7 @@
 #include "common/thread_pool.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace msrl {
@@ -79,7 +80,16 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t)>& fn) {
 }
 
 ThreadPool& ThreadPool::shared() {
-  static ThreadPool pool(std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8));
+  // MSRL_COPY_THREADS overrides the size: with one process per device on a node, each process may want
+  // only its share of the cores.
+  static ThreadPool pool([] {
+    size_t n = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+    if (const char* env = std::getenv("MSRL_COPY_THREADS")) {
+      long v = std::strtol(env, nullptr, 10);
+      if (v >= 1 && v <= 256) n = static_cast<size_t>(v);
+    }
+    return n;
+  }());
   return pool;
 }
 

@@ -24,7 +24,7 @@ class ThreadPool {
   // The first exception thrown by any fn is rethrown here.
   void parallel_for(size_t n, const std::function<void(size_t)>& fn);
 
-  // The process-wide pool used by host copies (hardware threads, at most 8).
+  // The process-wide pool used by host copies: hardware threads, at most 8, or MSRL_COPY_THREADS.
   static ThreadPool& shared();
 
  private:
