@@ -285,3 +285,19 @@ def test_length_balanced_claims(fast_path):
         sizes.append(sum(lens[int(r)] for r in meta.rows))
     assert sizes == [44, 4, 60]
     dock._backend.shutdown()
+
+
+def test_partial_reset_is_unsupported_and_changes_nothing():
+    from msrl_core.errors import Unsupported
+
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 4})
+    meta = dock.claim("gen", max_rows=4)
+    with pytest.raises(Unsupported, match="keep_unfinished"):
+        dock.reset(keep_unfinished=True)
+    with pytest.raises(NotImplementedError):
+        dock.complete(meta)
+    # Nothing was reset: the claim is still current and the rows still hold their prompts.
+    dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
+    assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
+    dock.reset()

@@ -175,10 +175,11 @@ class Claim:
 class Batch(Mapping):
     """Fetched columns of some rows: ``batch["rewards"]`` (dense), ``batch["responses"]`` (Ragged/Padded)."""
 
-    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1):
+    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1, stage: str | None = None):
         self.rows = rows
         self._data = data
         self.epoch = epoch
+        self.stage = stage  # the claiming stage when fetched with a Claim (take), else None
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -199,6 +200,11 @@ RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
 def epoch_of(rows: Any) -> int:
     """The iteration a Claim/Batch belongs to; -1 (unchecked) for plain row ids."""
     return int(rows.epoch) if isinstance(rows, (Claim, Batch)) else -1
+
+
+def stage_of(rows: Any) -> str | None:
+    """The claiming stage of a Claim (or of a Batch fetched with one); None for plain row ids."""
+    return rows.stage if isinstance(rows, (Claim, Batch)) else None
 
 
 def rows_array(rows: Any, capacity: int) -> np.ndarray:
