@@ -301,3 +301,20 @@ def test_partial_reset_is_unsupported_and_changes_nothing():
     dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
     assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
     dock.reset()
+
+
+def test_tensordict_in_and_out():
+    torch = pytest.importorskip("torch")
+    td_mod = pytest.importorskip("tensordict")
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.arange(n, dtype=np.int64) for n in (2, 1, 3, 2)]})
+    dock.put({"responses": [np.arange(n, dtype=np.int64) for n in (1, 1, 2, 2)]}, rows=rows)
+    dock.put(td_mod.TensorDict({"rewards": torch.tensor([1.0, 2.0, 3.0, 4.0])}, batch_size=[4]), rows=rows)
+    meta = dock.claim("update", max_rows=4)
+    td = dock.fetch(meta, output="tensordict")
+    want = dict(zip(rows.tolist(), [1.0, 2.0, 3.0, 4.0]))
+    assert td["rewards"].tolist() == [want[int(r)] for r in meta.rows]
+    assert td["responses_mask"].sum(1).tolist() == [
+        dict(zip(rows.tolist(), (1, 1, 2, 2)))[int(r)] for r in meta.rows
+    ]
+    dock.reset()

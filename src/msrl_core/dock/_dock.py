@@ -17,16 +17,21 @@ from msrl_core.dock._types import (
     Column,
     Padded,
     Ragged,
+    check_tensordict_keys,
     epoch_of,
+    is_tensordict,
     rows_array,
     stage_of,
+    tensordict_cls,
+    tensordict_to_put,
     to_output,
     to_put_input,
+    to_tensordict,
 )
 from msrl_core.errors import InvalidArgument, NotFound
 
 _LAYOUTS = ("packed", "padded")
-_OUTPUTS = ("numpy", "torch")
+_OUTPUTS = ("numpy", "torch", "tensordict")
 
 
 class _Latencies:
@@ -92,6 +97,8 @@ class Dock:
                     )
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        if output == "tensordict":
+            tensordict_cls()
         if balance_by is not None and (balance_by not in columns or not columns[balance_by].ragged):
             raise InvalidArgument(f"balance_by must name a ragged column, got {balance_by!r}")
         self.balance_by = balance_by
@@ -160,6 +167,8 @@ class Dock:
         A put with a Claim (or a Batch from ``take``) also *completes* that claim for its stage: see
         ``reset(keep_unfinished=True)``."""
         t0 = time.perf_counter()
+        if is_tensordict(data):
+            data = tensordict_to_put(data, self.columns)
         if not isinstance(data, Mapping) or not data:
             raise InvalidArgument("put takes a non-empty mapping of column name -> values")
         inputs = []
@@ -248,7 +257,9 @@ class Dock:
         """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
         ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or
         ``Padded(values, lengths)`` with a ``mask`` (``layout='padded'``). ``columns`` defaults to the
-        claiming stage's inputs."""
+        claiming stage's inputs. ``output='tensordict'`` (tensordict installed) returns a
+        ``TensorDict`` with batch size ``[n]`` instead of a Batch: dense columns as torch tensors, ragged
+        ones padded (whatever ``layout``) with a bool ``<name>_mask``; keep the Claim to put back."""
         t0 = time.perf_counter()
         if layout not in _LAYOUTS:
             raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -261,6 +272,11 @@ class Dock:
             columns = self.stages[meta.stage]
         if isinstance(columns, str):
             columns = [columns]
+        as_td = output == "tensordict"
+        if as_td:
+            tensordict_cls()  # InvalidArgument before any work when tensordict is missing
+            check_tensordict_keys(list(columns), self.columns)
+            layout = "padded"
         rows = rows_array(meta, self.capacity)
         cids = [self._cid(c) for c in columns]
         data: dict[str, Any] = {}
@@ -268,7 +284,7 @@ class Dock:
         got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
         for name, (arr, lengths) in zip(columns, got):
             col = self.columns[name]
-            val = to_output(arr, col, output)
+            val = to_output(arr, col, "torch" if as_td else output)
             if lengths is None:
                 data[name] = val
             elif layout == "padded":
@@ -276,6 +292,8 @@ class Dock:
             else:
                 data[name] = Ragged.from_lengths(val, lengths)
         self._record("fetch", t0)
+        if as_td:
+            return to_tensordict(data, len(rows))
         return Batch(rows, data, epoch_of(meta), stage_of(meta))
 
     def take(
@@ -290,6 +308,9 @@ class Dock:
         output: str | None = None,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
+        if (output or self.output) == "tensordict":  # before claiming: errors must not strand claimed rows
+            tensordict_cls()
+            check_tensordict_keys(columns if columns is not None else self.stages[stage], self.columns)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
         return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
 
