@@ -224,6 +224,41 @@ DockConfig small_config(int warehouses = 2) {
 }
 }  // namespace
 
+TEST(Controller, PartialResetKeepsCompletedClaimsAndReturnsOpenOnes) {
+  Controller c("s", 8, 2, {0});
+  mark(c, 0, {0, 1, 2, 3, 4, 5});
+  auto a = c.claim(2, 2, 0);  // group 0
+  auto b = c.claim(2, 2, 0);  // group 1
+  c.complete(a.data(), a.size());
+  EXPECT_TRUE(c.group_consumed(0));
+  EXPECT_FALSE(c.group_consumed(2));
+  // Keep groups 0, 1 and 2; drop 3. Group 0's claim was completed, group 1's was not.
+  c.reset(std::vector<uint8_t>{1, 1, 1, 0});
+  EXPECT_EQ(c.epoch(), 1u);
+  EXPECT_TRUE(c.consumed(0));
+  EXPECT_FALSE(c.consumed(2));
+  EXPECT_EQ(c.progress().consumed_rows, 2);
+  EXPECT_EQ(c.progress().ready_rows, 4);
+  // The returned group comes first, then the group that was still queued; nothing else is ready.
+  EXPECT_EQ(c.claim(8, 0, 0), (std::vector<int64_t>{2, 3, 4, 5}));
+  mark(c, 0, {6});  // dropped group 3 starts from scratch: needs both rows again
+  EXPECT_TRUE(c.claim(8, 0, 0).empty());
+  mark(c, 0, {7});
+  EXPECT_EQ(c.claim(8, 0, 0), (std::vector<int64_t>{6, 7}));
+  EXPECT_EQ(code_of([&] { c.reset(std::vector<uint8_t>{1}); }), Code::kInvalidArgument);
+}
+
+TEST(Controller, PartialResetNeedsEveryRowOfAGroupCompleted) {
+  Controller c("s", 4, 2, {0});
+  mark(c, 0, {0, 1});
+  auto a = c.claim(2, 2, 0);
+  std::vector<int64_t> half = {1};
+  c.complete(half.data(), 1);
+  c.reset(std::vector<uint8_t>{1, 1});
+  EXPECT_FALSE(c.consumed(0));
+  EXPECT_EQ(c.claim(2, 2, 0), a);
+}
+
 TEST(DockCore, StreamsRowsThroughStages) {
   DockCore d(small_config());
   std::vector<int64_t> plens = {2, 2, 3, 3};
@@ -360,4 +395,80 @@ TEST(DockCore, BlockedClaimSurvivesResetAndCloseWakesIt) {
   d.close();
   t2.join();
   EXPECT_EQ(waiter, Code::kClosed);
+}
+
+TEST(DockCore, PartialResetKeepsUnfinishedGroupsAndReusesFreedRows) {
+  DockCore d(small_config());  // 8 groups of 2 rows, 2 warehouses
+  // Three groups of prompts with distinct lengths.
+  std::vector<int64_t> pl = {1, 1, 2, 2, 3, 3};
+  std::vector<int64_t> p = {1, 2, 3, 3, 4, 4, 5, 5, 5, 6, 6, 6};
+  auto rows = d.put_new({ColumnInput{0, p.data(), p.size() * 8, pl.data()}}, 6);
+  ASSERT_EQ(rows.size(), 6u);
+  std::vector<int64_t> g0(rows.begin(), rows.begin() + 2), g1(rows.begin() + 2, rows.begin() + 4),
+      g2(rows.begin() + 4, rows.end());
+  // Rollout claims all three groups; completes g0 and g1 (puts responses), g2 is still generating.
+  auto c0 = d.claim(0, 6, 6, 0);
+  ASSERT_EQ(c0, rows);
+  std::vector<int64_t> rl = {1, 1};
+  std::vector<int64_t> r0 = {10, 11}, r1 = {12, 13};
+  d.put({ColumnInput{1, r0.data(), 16, rl.data()}}, g0.data(), 2, 0, /*stage=*/0);
+  d.put({ColumnInput{1, r1.data(), 16, rl.data()}}, g1.data(), 2, 0, /*stage=*/0);
+  // Reward takes both, writes g0's rewards only; update consumes g0: g0 is finished.
+  auto c1 = d.claim(1, 4, 4, 0);
+  std::vector<float> rw = {0.25f, 0.75f};
+  d.put({ColumnInput{2, rw.data(), 8, nullptr}}, g0.data(), 2, 0, 1);
+  EXPECT_EQ(d.claim(2, 4, 0, 0), g0);
+
+  auto kept = d.reset(true);
+  EXPECT_EQ(kept, (std::vector<int64_t>{std::min(g1[0], g2[0]), std::min(g1[0], g2[0]) + 1, std::max(g1[0], g2[0]),
+                                        std::max(g1[0], g2[0]) + 1}));
+  EXPECT_EQ(d.epoch(), 1u);
+  EXPECT_EQ(d.allocated_rows(), 4);
+  EXPECT_FALSE(d.allocated(g0[0]));
+  // Rollout: its completed claim on g1 survives; g2 (claimed, never completed) is claimable again.
+  EXPECT_EQ(d.claim(0, 16, 0, 0), g2);
+  // Reward claimed g1 without completing it: g1 comes back to reward, with its data intact.
+  EXPECT_EQ(d.claim(1, 16, 0, 0), g1);
+  std::vector<int64_t> out(2);
+  d.gather(1, g1.data(), 2, out.data(), 16);
+  EXPECT_EQ(out, r1);
+  std::vector<int64_t> pout(4);
+  d.gather(0, g1.data(), 2, pout.data(), 32);
+  EXPECT_EQ(pout, (std::vector<int64_t>{3, 3, 4, 4}));
+  std::vector<int64_t> p2(6);
+  d.gather(0, g2.data(), 2, p2.data(), 48);
+  EXPECT_EQ(p2, (std::vector<int64_t>{5, 5, 5, 6, 6, 6}));
+  // g0's rows are free: new puts fill every free group (6 groups) and skip the kept ones.
+  std::vector<int64_t> nl(12, 1);
+  std::vector<int64_t> nv(12, 9);
+  auto fresh = d.put_new({ColumnInput{0, nv.data(), 96, nl.data()}}, 12);
+  std::vector<int64_t> all = kept;
+  all.insert(all.end(), fresh.begin(), fresh.end());
+  std::sort(all.begin(), all.end());
+  std::vector<int64_t> expect(16);
+  std::iota(expect.begin(), expect.end(), 0);
+  EXPECT_EQ(all, expect);
+  EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, nv.data(), 16, nl.data()}}, 2); }), Code::kOutOfMemory);
+  // A stale put with the old claim is refused.
+  EXPECT_EQ(code_of([&] {
+              d.put({ColumnInput{1, r1.data(), 16, rl.data()}}, g2.data(), 2, 0, 0);
+            }),
+            Code::kInvalidArgument);
+  // A plain reset clears everything, kept groups included.
+  EXPECT_TRUE(d.reset(false).empty());
+  EXPECT_EQ(d.allocated_rows(), 0);
+}
+
+TEST(DockCore, PartialResetWithEverythingFinishedFreesAll) {
+  DockCore d(small_config(1));
+  std::vector<int64_t> l = {1, 1};
+  std::vector<int64_t> p = {5, 6};
+  auto rows = d.put_new({ColumnInput{0, p.data(), 16, l.data()}}, 2);
+  std::vector<float> rw = {1.f, 2.f};
+  d.put({ColumnInput{1, p.data(), 16, l.data()}, ColumnInput{2, rw.data(), 8, nullptr}}, rows.data(), 2);
+  for (int s = 0; s < 3; ++s) EXPECT_EQ(d.claim(s, 2, 2, 0), rows);
+  EXPECT_TRUE(d.reset(true).empty());
+  EXPECT_EQ(d.allocated_rows(), 0);
+  EXPECT_EQ(d.warehouse(0).bytes_held(), 0);
+  EXPECT_EQ(code_of([&] { d.complete(5, rows.data(), 2); }), Code::kNotFound);
 }

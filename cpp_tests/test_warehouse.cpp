@@ -250,3 +250,61 @@ TEST(Warehouse, ConcurrentPutsToDistinctRows) {
     for (int64_t x : out) ASSERT_EQ(x, row);
   }
 }
+
+TEST(Warehouse, PartialResetCompactsKeptRaggedRowsAndFreesTheRest) {
+  Warehouse w(0, 10, 6, two_columns(/*arena_bytes=*/8 * 10));
+  // Rows 10..15 written in that order: lengths 2,1,3,0,2,1 (9 items, 72 bytes of 80).
+  std::vector<int64_t> rows = {10, 11, 12, 13, 14, 15};
+  std::vector<int64_t> lens = {2, 1, 3, 0, 2, 1};
+  std::vector<int64_t> vals = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  w.put(0, rows.data(), rows.size(), vals.data(), lens.data());
+  std::vector<float> rw = {0.5f, 1.5f};
+  std::vector<int64_t> rrows = {12, 14};
+  w.put(1, rrows.data(), 2, rw.data(), nullptr);
+
+  w.reset(std::vector<int64_t>{14, 12, 13});  // keep rows 12 (3 items), 13 (empty) and 14 (2 items)
+  EXPECT_EQ(w.column_stats(0).rows_written, 3);
+  EXPECT_EQ(w.column_stats(0).bytes_used, 5 * 8);
+  EXPECT_EQ(w.column_stats(1).rows_written, 2);
+  std::vector<int64_t> kept = {12, 13, 14};
+  std::vector<int64_t> offs(3), got_lens(3);
+  w.locate(0, kept.data(), 3, offs.data(), got_lens.data());
+  EXPECT_EQ(offs, (std::vector<int64_t>{0, 24, 24}));  // moved to the front, offset order kept
+  EXPECT_EQ(got_lens, (std::vector<int64_t>{3, 0, 2}));
+  std::vector<int64_t> out(5);
+  w.gather(0, kept.data(), 3, out.data(), 40);
+  EXPECT_EQ(out, (std::vector<int64_t>{4, 5, 6, 7, 8}));
+  std::vector<float> rout(2);
+  w.gather(1, rrows.data(), 2, rout.data(), 8);
+  EXPECT_EQ(rout, rw);
+  // Dropped rows are writable again and the freed arena bytes are usable: 5 items free of 10.
+  EXPECT_FALSE(w.ready(0, rows.data(), 1));
+  std::vector<int64_t> fresh = {10, 11};
+  std::vector<int64_t> flens = {4, 1};
+  std::vector<int64_t> fvals = {20, 21, 22, 23, 24};
+  w.put(0, fresh.data(), 2, fvals.data(), flens.data());
+  std::vector<int64_t> all = {10, 11, 12, 14};
+  std::vector<int64_t> out2(10);
+  w.gather(0, all.data(), 4, out2.data(), 80);
+  EXPECT_EQ(out2, (std::vector<int64_t>{20, 21, 22, 23, 24, 4, 5, 6, 7, 8}));
+  // A kept row stays written: writing it again is refused.
+  std::vector<int64_t> one = {12};
+  std::vector<int64_t> l0 = {0};
+  EXPECT_EQ(code_of([&] { w.put(0, one.data(), 1, nullptr, l0.data()); }), Code::kInvalidArgument);
+}
+
+TEST(Warehouse, PartialResetRejectsForeignRowsAndWritesInFlightChangingNothing) {
+  Warehouse w(0, 0, 4, two_columns());
+  std::vector<int64_t> rows = {0, 1};
+  std::vector<int64_t> lens = {1, 1};
+  std::vector<int64_t> vals = {7, 8};
+  w.put(0, rows.data(), 2, vals.data(), lens.data());
+  EXPECT_EQ(code_of([&] { w.reset(std::vector<int64_t>{1, 9}); }), Code::kInvalidArgument);
+  std::vector<int64_t> two = {2};
+  Reservation r = w.reserve(0, two.data(), 1, lens.data());
+  EXPECT_EQ(code_of([&] { w.reset(std::vector<int64_t>{1}); }), Code::kInvalidArgument);
+  w.abort(r);
+  std::vector<int64_t> out(2);
+  w.gather(0, rows.data(), 2, out.data(), 16);  // both rows still there
+  EXPECT_EQ(out, vals);
+}

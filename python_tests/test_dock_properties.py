@@ -41,6 +41,8 @@ class DockMachine(RuleBasedStateMachine):
         self.consumed: dict[str, set[int]] = {s: set() for s in STAGES}
         self.claims: dict[str, list[np.ndarray]] = {s: [] for s in STAGES}
         self.placeholder: set[tuple[str, int]] = set()  # cells written by put_new with -1 values
+        self.cell_it: dict[tuple[str, int], int] = {}  # iteration a cell was written in
+        self.completed: dict[str, set[int]] = {s: set() for s in STAGES}  # claims completed
 
     def ready(self, stage: str) -> set[int]:
         rows = set(self.allocated)
@@ -68,6 +70,7 @@ class DockMachine(RuleBasedStateMachine):
         self.allocated += rows.tolist()
         self.written[col] |= set(rows.tolist())
         self.placeholder |= {(col, int(r)) for r in rows}
+        self.cell_it.update({(col, int(r)): self.it for r in rows})
 
     @precondition(lambda self: self.allocated)
     @rule(data=st.data(), col=st.sampled_from(COLUMNS))
@@ -81,6 +84,7 @@ class DockMachine(RuleBasedStateMachine):
         rows = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=5, unique=True))
         self.dock.put({col: [row_values(r, col, self.it) for r in rows]}, rows=rows)
         self.written[col] |= set(rows)
+        self.cell_it.update({(col, r): self.it for r in rows})
 
     @rule(stage=st.sampled_from(sorted(STAGES)), groups=st.integers(1, 4))
     def claim(self, stage, groups):
@@ -101,7 +105,9 @@ class DockMachine(RuleBasedStateMachine):
                     if (col, r) in self.placeholder:
                         assert (batch[col][k] == -1).all()
                     else:
-                        np.testing.assert_array_equal(batch[col][k], row_values(r, col, self.it))
+                        np.testing.assert_array_equal(
+                            batch[col][k], row_values(r, col, self.cell_it[(col, r)])
+                        )
 
     @precondition(lambda self: any(self.claims.values()))
     @rule(data=st.data())
@@ -110,6 +116,32 @@ class DockMachine(RuleBasedStateMachine):
         rows = self.claims[stage].pop(data.draw(st.integers(0, len(self.claims[stage]) - 1)))
         self.dock.release(Claim(stage, rows))
         self.consumed[stage] -= set(rows.tolist())
+        self.completed[stage] -= set(rows.tolist())
+
+    @precondition(lambda self: any(self.claims.values()))
+    @rule(data=st.data())
+    def complete(self, data):
+        stage = data.draw(st.sampled_from(sorted(s for s, c in self.claims.items() if c)))
+        rows = self.claims[stage][data.draw(st.integers(0, len(self.claims[stage]) - 1))]
+        self.dock.complete(Claim(stage, rows))
+        self.completed[stage] |= set(rows.tolist()) & self.consumed[stage]
+
+    @rule()
+    def reset_keep_unfinished(self):
+        finished = {r for r in self.allocated if all(r in self.consumed[s] for s in STAGES)}
+        kept = set(self.allocated) - finished
+        got = self.dock.reset(keep_unfinished=True)
+        assert sorted(got.tolist()) == sorted(kept)
+        self.it += 1
+        self.allocated = sorted(kept)
+        self.written = {c: w & kept for c, w in self.written.items()}
+        for s in STAGES:
+            done = self.completed[s] & self.consumed[s] & kept
+            # A group's claim survives only when every row of it was completed.
+            self.consumed[s] = {r for r in done if all(q in done for q in range(r - r % G, r - r % G + G))}
+            self.completed[s] = set(self.consumed[s])
+        self.claims = {s: [] for s in STAGES}
+        self.placeholder = {(c, r) for c, r in self.placeholder if r in kept}
 
     @rule()
     def reset(self):
@@ -120,6 +152,7 @@ class DockMachine(RuleBasedStateMachine):
         self.consumed = {s: set() for s in STAGES}
         self.claims = {s: [] for s in STAGES}
         self.placeholder = set()
+        self.completed = {s: set() for s in STAGES}
 
     @invariant()
     def progress_matches_model(self):

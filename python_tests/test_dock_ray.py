@@ -285,3 +285,36 @@ def test_length_balanced_claims(fast_path):
         sizes.append(sum(lens[int(r)] for r in meta.rows))
     assert sizes == [44, 4, 60]
     dock._backend.shutdown()
+
+
+def test_partial_reset_is_unsupported_and_changes_nothing():
+    from msrl_core.errors import Unsupported
+
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 4})
+    meta = dock.claim("gen", max_rows=4)
+    with pytest.raises(Unsupported, match="keep_unfinished"):
+        dock.reset(keep_unfinished=True)
+    with pytest.raises(NotImplementedError):
+        dock.complete(meta)
+    # Nothing was reset: the claim is still current and the rows still hold their prompts.
+    dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
+    assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
+    dock.reset()
+
+
+def test_tensordict_in_and_out():
+    torch = pytest.importorskip("torch")
+    td_mod = pytest.importorskip("tensordict")
+    dock = make_dock()
+    rows = dock.put({"prompts": [np.arange(n, dtype=np.int64) for n in (2, 1, 3, 2)]})
+    dock.put({"responses": [np.arange(n, dtype=np.int64) for n in (1, 1, 2, 2)]}, rows=rows)
+    dock.put(td_mod.TensorDict({"rewards": torch.tensor([1.0, 2.0, 3.0, 4.0])}, batch_size=[4]), rows=rows)
+    meta = dock.claim("update", max_rows=4)
+    td = dock.fetch(meta, output="tensordict")
+    want = dict(zip(rows.tolist(), [1.0, 2.0, 3.0, 4.0]))
+    assert td["rewards"].tolist() == [want[int(r)] for r in meta.rows]
+    assert td["responses_mask"].sum(1).tolist() == [
+        dict(zip(rows.tolist(), (1, 1, 2, 2)))[int(r)] for r in meta.rows
+    ]
+    dock.reset()

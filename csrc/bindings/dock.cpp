@@ -157,13 +157,19 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("n"))
       .def(
           "put",
-          [](dock::DockCore& d, const py::list& cols, const I64Array& rows, int64_t epoch) {
+          [](dock::DockCore& d, const py::list& cols, const I64Array& rows, int64_t epoch, int stage) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
-            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch);
+            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage);
           },
-          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1)
+          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1)
+      .def(
+          "complete",
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
+            d.complete(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          },
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
       .def(
           "claim",
           [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
@@ -234,7 +240,17 @@ void bind_dock(py::module_& m) {
              out["fetch"] = op_stats(d.fetch_stats);
              return out;
            })
-      .def("reset", &dock::DockCore::reset, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reset",
+          [](dock::DockCore& d, bool keep_unfinished) {
+            std::vector<int64_t> kept;
+            {
+              py::gil_scoped_release release;
+              kept = d.reset(keep_unfinished);
+            }
+            return to_array(std::move(kept));
+          },
+          py::arg("keep_unfinished") = false)
       .def("close", &dock::DockCore::close, py::call_guard<py::gil_scoped_release>());
 
   py::class_<dock::Warehouse>(m, "Warehouse", "One warehouse: columnar arenas for a contiguous range of rows.")
@@ -367,7 +383,8 @@ void bind_dock(py::module_& m) {
              w.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst);
            })
       .def("bytes_held", &dock::Warehouse::bytes_held)
-      .def("reset", &dock::Warehouse::reset, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "reset", [](dock::Warehouse& w) { w.reset(); }, py::call_guard<py::gil_scoped_release>());
 
   py::class_<dock::Reservation, std::shared_ptr<dock::Reservation>>(
       m, "Reservation", "Rows of one column reserved in a warehouse arena, not yet readable.")
@@ -435,7 +452,7 @@ void bind_dock(py::module_& m) {
       .def("release",
            [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
-      .def("reset", &dock::Controller::reset)
+      .def("reset", [](dock::Controller& c) { c.reset(); })
       .def_property_readonly("epoch", &dock::Controller::epoch)
       .def("close", &dock::Controller::close);
 }

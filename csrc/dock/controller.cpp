@@ -32,6 +32,7 @@ Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, 
   ready_count_.assign(capacity_, 0);
   group_ready_.assign(capacity_ / group_size_, 0);
   consumed_.assign(capacity_, 0);
+  done_.assign(capacity_, 0);
   row_len_.assign(capacity_, 0);
 }
 
@@ -155,13 +156,28 @@ void Controller::release(const int64_t* rows, size_t n) {
     for (size_t i = 0; i < n; i += group_size_) {
       const int64_t g = rows[i] / group_size_;
       if (!consumed_[g * group_size_]) continue;  // the same group listed twice
-      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) consumed_[r] = 0;
+      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) consumed_[r] = done_[r] = 0;
       consumed_rows_ -= group_size_;
       queue_.push_front(g);
       woke = true;
     }
   }
   if (woke) cv_.notify_all();
+}
+
+void Controller::complete(const int64_t* rows, size_t n) {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    if (consumed_[rows[i]]) done_[rows[i]] = 1;
+  }
+}
+
+bool Controller::group_consumed(int64_t g) const {
+  MSRL_CHECK(g >= 0 && g < capacity_ / group_size_, kInvalidArgument, "stage '", stage_, "': group ", g,
+             " out of range [0, ", capacity_ / group_size_, ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  return consumed_[g * group_size_] != 0;
 }
 
 StageProgress Controller::progress() const {
@@ -181,10 +197,58 @@ void Controller::reset() {
   std::fill(ready_count_.begin(), ready_count_.end(), 0);
   std::fill(group_ready_.begin(), group_ready_.end(), 0);
   std::fill(consumed_.begin(), consumed_.end(), 0);
+  std::fill(done_.begin(), done_.end(), 0);
   std::fill(row_len_.begin(), row_len_.end(), 0);
   queue_.clear();
   consumed_rows_ = 0;
   ++epoch_;
+}
+
+void Controller::reset(const std::vector<uint8_t>& keep_groups) {
+  const int64_t groups = capacity_ / group_size_;
+  MSRL_CHECK(static_cast<int64_t>(keep_groups.size()) == groups, kInvalidArgument, "stage '", stage_, "': reset with ",
+             keep_groups.size(), " keep flags for ", groups, " groups");
+  const size_t slots = inputs_.size();
+  bool woke = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<int64_t> queue;
+    std::vector<int64_t> reclaimed;
+    for (int64_t g : queue_)
+      if (keep_groups[g]) queue.push_back(g);  // still ready and unclaimed, FIFO order kept
+    consumed_rows_ = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t b = g * group_size_, e = b + group_size_;
+      if (!keep_groups[g]) {
+        for (size_t s = 0; s < slots; ++s)
+          std::fill(ready_bits_.begin() + s * capacity_ + b, ready_bits_.begin() + s * capacity_ + e, 0);
+        std::fill(ready_count_.begin() + b, ready_count_.begin() + e, 0);
+        std::fill(consumed_.begin() + b, consumed_.begin() + e, 0);
+        std::fill(done_.begin() + b, done_.begin() + e, 0);
+        std::fill(row_len_.begin() + b, row_len_.begin() + e, 0);
+        group_ready_[g] = 0;
+        continue;
+      }
+      if (!consumed_[b]) continue;
+      bool done = true;
+      for (int64_t r = b; r < e; ++r) done = done && done_[r];
+      if (done) {
+        consumed_rows_ += group_size_;
+        continue;
+      }
+      // A claim does not survive a reset: the group goes back to the stage.
+      std::fill(consumed_.begin() + b, consumed_.begin() + e, 0);
+      std::fill(done_.begin() + b, done_.begin() + e, 0);
+      if (group_ready_[g] == group_size_) {
+        reclaimed.push_back(g);
+        woke = true;
+      }
+    }
+    queue.insert(queue.begin(), reclaimed.begin(), reclaimed.end());
+    queue_.swap(queue);
+    ++epoch_;
+  }
+  if (woke) cv_.notify_all();
 }
 
 uint64_t Controller::epoch() const {

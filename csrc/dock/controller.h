@@ -54,12 +54,23 @@ class Controller {
 
   // Puts claimed rows back (a worker failed): they become claimable again. Rows must be consumed.
   void release(const int64_t* rows, size_t n);
+  // Marks claimed rows as completed by this stage (its worker put its outputs). Only completed claims
+  // survive reset(keep_groups): a kept group claimed but not completed becomes claimable again.
+  // Rows not claimed are ignored.
+  void complete(const int64_t* rows, size_t n);
+  // True when group g has been claimed by this stage in the current iteration.
+  bool group_consumed(int64_t g) const;
 
   StageProgress progress() const;
   bool consumed(int64_t row) const;
   // Clears every bit and starts the next iteration (epoch + 1). Blocked claims keep waiting and are
   // served by the next iteration's rows.
   void reset();
+  // Partial reset (epoch + 1): groups with keep_groups[g] != 0 keep their readiness, lengths and the
+  // claims this stage completed on every row of the group; a group claimed but not completed
+  // becomes claimable again (ahead of the others, like a release). Every other group is cleared.
+  // keep_groups has one entry per group.
+  void reset(const std::vector<uint8_t>& keep_groups);
   uint64_t epoch() const;
   // Wakes every waiter with Closed; later claims raise Closed.
   void close();
@@ -82,6 +93,7 @@ class Controller {
   std::vector<uint16_t> ready_count_;  // per row: input columns written
   std::vector<int64_t> group_ready_;   // per group: fully ready rows
   std::vector<uint8_t> consumed_;      // per row
+  std::vector<uint8_t> done_;          // per row: claimed and completed (complete())
   std::vector<int64_t> row_len_;       // per row, from the length column
   std::deque<int64_t> queue_;          // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;

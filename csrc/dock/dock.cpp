@@ -81,6 +81,7 @@ DockCore::DockCore(DockConfig config) : config_(std::move(config)) {
       if (next[w] < (w + 1) * groups / S) free_order_.push_back(next[w]++);
     }
   }
+  order_ = free_order_;
 }
 
 int DockCore::column_index(const std::string& name) const {
@@ -181,10 +182,21 @@ void DockCore::check_epoch(int64_t epoch) const {
              epoch_.load());
 }
 
-void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch) {
+void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch, int stage) {
+  MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
+             " out of range");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
   put_locked(inputs, rows, n);
+  if (stage >= 0) controllers_[stage]->complete(rows, n);
+}
+
+void DockCore::complete(int stage, const int64_t* rows, size_t n, int64_t epoch) {
+  MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
+             " out of range");
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
+  controllers_[stage]->complete(rows, n);
 }
 
 void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
@@ -342,18 +354,47 @@ void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t 
   timer.bytes = static_cast<int64_t>(n * stride);
 }
 
-void DockCore::reset() {
+void DockCore::reset() { (void)reset(false); }
+
+std::vector<int64_t> DockCore::reset(bool keep_unfinished) {
   std::unique_lock<std::shared_mutex> ops(ops_mu_, std::try_to_lock);
   MSRL_CHECK(ops.owns_lock(), kInvalidArgument,
              "reset() while a put, fetch or another reset is in flight; nothing was reset");
-  for (const auto& c : controllers_) c->reset();
-  for (const auto& w : warehouses_) w->reset();
+  const int64_t G = config_.group_size;
+  const int64_t groups = config_.capacity / G;
+  std::vector<uint8_t> keep(groups, 0);
+  std::vector<int64_t> kept_rows;
+  if (keep_unfinished) {
+    std::lock_guard<std::mutex> lock(alloc_mu_);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (!group_allocated_[g]) continue;
+      bool finished = true;
+      for (const auto& c : controllers_) finished = finished && c->group_consumed(g);
+      if (finished) continue;
+      keep[g] = 1;
+      for (int64_t r = g * G; r < (g + 1) * G; ++r) kept_rows.push_back(r);
+    }
+  }
+  // No put runs (exclusive ops lock), so no warehouse has a write in flight: nothing below throws.
+  if (kept_rows.empty()) {
+    for (const auto& c : controllers_) c->reset();
+    for (const auto& w : warehouses_) w->reset();
+  } else {
+    for (const auto& c : controllers_) c->reset(keep);
+    std::vector<std::vector<int64_t>> per_wh(warehouses_.size());
+    for (int64_t r : kept_rows) per_wh[group_warehouse_[r / G]].push_back(r);
+    for (size_t w = 0; w < warehouses_.size(); ++w) warehouses_[w]->reset(per_wh[w]);
+  }
   std::lock_guard<std::mutex> lock(alloc_mu_);
-  std::fill(group_allocated_.begin(), group_allocated_.end(), 0);
+  group_allocated_ = keep;
+  free_order_.clear();
+  for (int64_t g : order_)
+    if (!keep[g]) free_order_.push_back(g);
   next_free_ = 0;
   returned_.clear();
-  allocated_groups_ = 0;
+  allocated_groups_ = static_cast<int64_t>(kept_rows.size()) / G;
   epoch_.fetch_add(1);
+  return kept_rows;
 }
 
 void DockCore::close() {

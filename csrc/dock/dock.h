@@ -69,7 +69,11 @@ class DockCore {
   std::vector<int64_t> put_new(const std::vector<ColumnInput>& inputs, int64_t n);
   // Writes columns into allocated rows; all-or-nothing over columns and warehouses. With epoch >= 0
   // (from a claim) the rows must belong to the current iteration: a claim from before a reset is stale.
-  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1);
+  // With stage >= 0 (the claim's stage) a successful put also completes the stage's claim on the rows
+  // (Controller::complete), so a partial reset keeps the stage's work on them.
+  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1);
+  // Completes a claim without putting (a stage that writes no columns); see reset(true).
+  void complete(int stage, const int64_t* rows, size_t n, int64_t epoch = -1);
 
   // Claims never block reset(): a blocked claim is served by the next iteration. `epoch` receives the
   // iteration of the rows.
@@ -89,7 +93,13 @@ class DockCore {
   int64_t allocated_rows() const;
   // Clears rows, readiness and claims and starts the next iteration. Throws InvalidArgument (nothing
   // changed) while a put or fetch runs or another reset runs. Claims from before the reset are stale.
+  // keep_unfinished (partial rollout): only *finished* groups — claimed by every stage — are freed.
+  // Unfinished groups keep their rows, written columns, readiness and each stage's completed claims
+  // (ragged arenas are compacted); a claim not completed (no put with it, no complete()) is dropped and
+  // its group is claimable again by that stage. New puts allocate around the kept groups. Returns the
+  // kept rows (empty without keep_unfinished). Same errors as reset(), nothing changed on error.
   void reset();
+  std::vector<int64_t> reset(bool keep_unfinished);
   void close();  // wakes blocked claims with Closed
 
   OpStats put_stats, claim_stats, fetch_stats;
@@ -109,7 +119,8 @@ class DockCore {
 
   mutable std::mutex alloc_mu_;
   std::vector<uint8_t> group_allocated_;
-  std::vector<int64_t> free_order_;  // groups in allocation order (interleaved over warehouses)
+  std::vector<int64_t> order_;       // all groups, interleaved over warehouses
+  std::vector<int64_t> free_order_;  // order_ less the groups kept by a partial reset
   size_t next_free_ = 0;             // groups are handed out in free_order_ until reset
   int64_t allocated_groups_ = 0;
   std::vector<int64_t> returned_;  // groups given back by a failed put_new, reused first

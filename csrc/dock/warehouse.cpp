@@ -392,4 +392,46 @@ void Warehouse::reset() {
   }
 }
 
+void Warehouse::reset(const std::vector<int64_t>& keep_rows) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<uint8_t> keep(num_rows_, 0);
+  for (int64_t row : keep_rows) {
+    MSRL_CHECK(owns(row), kInvalidArgument, "warehouse ", id_, ": cannot keep row ", row, ", not in rows [", row_begin_,
+               ", ", row_begin_ + num_rows_, ")");
+    keep[row - row_begin_] = 1;
+  }
+  for (size_t c = 0; c < arenas_.size(); ++c) {
+    for (uint8_t s : arenas_[c].state) {
+      MSRL_CHECK(s != kWriting, kInvalidArgument, "warehouse ", id_, ": reset() while a put to column '",
+                 columns_[c].name, "' is in flight");
+    }
+  }
+  // Validated: from here on nothing throws.
+  for (size_t c = 0; c < arenas_.size(); ++c) {
+    Arena& a = arenas_[c];
+    const int64_t item = static_cast<int64_t>(columns_[c].item_bytes());
+    std::vector<int64_t> kept;  // local rows kept and written
+    for (int64_t r = 0; r < num_rows_; ++r) {
+      if (keep[r] && a.state[r] == kWritten) {
+        kept.push_back(r);
+      } else {
+        a.state[r] = kEmpty;
+      }
+    }
+    a.rows_written = static_cast<int64_t>(kept.size());
+    a.bytes_used = 0;
+    for (int64_t r : kept) a.bytes_used += a.length[r] * item;
+    if (!columns_[c].ragged) continue;  // fixed slots do not move
+    std::sort(kept.begin(), kept.end(), [&](int64_t x, int64_t y) { return a.offset[x] < a.offset[y]; });
+    int64_t top = 0;
+    for (int64_t r : kept) {
+      const int64_t nb = a.length[r] * item;
+      if (nb > 0 && a.offset[r] != top) std::memmove(a.base + top, a.base + a.offset[r], static_cast<size_t>(nb));
+      a.offset[r] = top;
+      top += nb;
+    }
+    a.top = top;
+  }
+}
+
 }  // namespace msrl::dock

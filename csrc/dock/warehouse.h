@@ -107,6 +107,12 @@ class Warehouse {
   ColumnStats column_stats(int column) const;
   int64_t bytes_held() const;  // committed + reserved value bytes over all columns
   void reset();                // forget every row (arenas are kept for reuse)
+  // Partial reset: forgets every row except keep_rows (global ids in this warehouse), whose written
+  // columns stay readable. Ragged arenas are compacted: kept rows' bytes move to the front of the
+  // arena (in offset order, so a move never overwrites bytes not yet moved) and their offsets are
+  // updated; the rest of the arena is free again. Throws (nothing changed) on a row not in this
+  // warehouse or while a put is in flight. Views handed out before are invalid afterwards.
+  void reset(const std::vector<int64_t>& keep_rows);
 
  private:
   enum : uint8_t { kEmpty = 0, kWriting = 1, kWritten = 2 };

@@ -15,6 +15,11 @@ from msrl_core._core import (
     Unavailable,
 )
 
+
+class Unsupported(MsrlError, NotImplementedError):  # type: ignore[misc]
+    """The operation exists but this backend or configuration does not support it."""
+
+
 __all__ = [
     "Closed",
     "DeviceError",
@@ -24,4 +29,5 @@ __all__ = [
     "OutOfMemory",
     "Timeout",
     "Unavailable",
+    "Unsupported",
 ]

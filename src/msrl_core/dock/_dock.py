@@ -17,15 +17,21 @@ from msrl_core.dock._types import (
     Column,
     Padded,
     Ragged,
+    check_tensordict_keys,
     epoch_of,
+    is_tensordict,
     rows_array,
+    stage_of,
+    tensordict_cls,
+    tensordict_to_put,
     to_output,
     to_put_input,
+    to_tensordict,
 )
 from msrl_core.errors import InvalidArgument, NotFound
 
 _LAYOUTS = ("packed", "padded")
-_OUTPUTS = ("numpy", "torch")
+_OUTPUTS = ("numpy", "torch", "tensordict")
 
 
 class _Latencies:
@@ -91,6 +97,8 @@ class Dock:
                     )
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        if output == "tensordict":
+            tensordict_cls()
         if balance_by is not None and (balance_by not in columns or not columns[balance_by].ragged):
             raise InvalidArgument(f"balance_by must name a ragged column, got {balance_by!r}")
         self.balance_by = balance_by
@@ -155,8 +163,12 @@ class Dock:
     def put(self, data: Mapping[str, Any], rows: Any = None) -> np.ndarray:
         """Writes columns. Without ``rows`` it allocates new rows (whole groups) and returns their ids;
         with ``rows`` (ids, a Claim or a Batch) it writes into those allocated rows. All columns land or
-        none: on any error the dock is unchanged. Readiness is published after the bytes are stored."""
+        none: on any error the dock is unchanged. Readiness is published after the bytes are stored.
+        A put with a Claim (or a Batch from ``take``) also *completes* that claim for its stage: see
+        ``reset(keep_unfinished=True)``."""
         t0 = time.perf_counter()
+        if is_tensordict(data):
+            data = tensordict_to_put(data, self.columns)
         if not isinstance(data, Mapping) or not data:
             raise InvalidArgument("put takes a non-empty mapping of column name -> values")
         inputs = []
@@ -182,7 +194,8 @@ class Dock:
                 raise InvalidArgument(f"put of {n} rows of data into {len(out)} rows")
             if n == 0:
                 raise InvalidArgument("put needs at least one row")
-            self._backend.put(inputs, out, epoch_of(rows))
+            stage = stage_of(rows)
+            self._backend.put(inputs, out, epoch_of(rows), -1 if stage is None else self._sid(stage))
         self._record("put", t0)
         return out
 
@@ -225,6 +238,15 @@ class Dock:
         """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again."""
         self._backend.release(self._sid(meta.stage), meta.rows, meta.epoch)
 
+    def complete(self, meta: Claim | Batch) -> None:
+        """Marks a claim as done by its stage without putting anything (a stage that writes no columns,
+        e.g. the update). Only matters for ``reset(keep_unfinished=True)``: there a claim that was not
+        completed — by a put with it or by this call — is dropped and its rows go back to the stage."""
+        stage = stage_of(meta)
+        if stage is None:
+            raise InvalidArgument("complete() takes the Claim (or the Batch of take()) to complete")
+        self._backend.complete(self._sid(stage), rows_array(meta, self.capacity), epoch_of(meta))
+
     def fetch(
         self,
         meta: Any,
@@ -235,7 +257,9 @@ class Dock:
         """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
         ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or
         ``Padded(values, lengths)`` with a ``mask`` (``layout='padded'``). ``columns`` defaults to the
-        claiming stage's inputs."""
+        claiming stage's inputs. ``output='tensordict'`` (tensordict installed) returns a
+        ``TensorDict`` with batch size ``[n]`` instead of a Batch: dense columns as torch tensors, ragged
+        ones padded (whatever ``layout``) with a bool ``<name>_mask``; keep the Claim to put back."""
         t0 = time.perf_counter()
         if layout not in _LAYOUTS:
             raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -248,6 +272,11 @@ class Dock:
             columns = self.stages[meta.stage]
         if isinstance(columns, str):
             columns = [columns]
+        as_td = output == "tensordict"
+        if as_td:
+            tensordict_cls()  # InvalidArgument before any work when tensordict is missing
+            check_tensordict_keys(list(columns), self.columns)
+            layout = "padded"
         rows = rows_array(meta, self.capacity)
         cids = [self._cid(c) for c in columns]
         data: dict[str, Any] = {}
@@ -255,7 +284,7 @@ class Dock:
         got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
         for name, (arr, lengths) in zip(columns, got):
             col = self.columns[name]
-            val = to_output(arr, col, output)
+            val = to_output(arr, col, "torch" if as_td else output)
             if lengths is None:
                 data[name] = val
             elif layout == "padded":
@@ -263,7 +292,9 @@ class Dock:
             else:
                 data[name] = Ragged.from_lengths(val, lengths)
         self._record("fetch", t0)
-        return Batch(rows, data, epoch_of(meta))
+        if as_td:
+            return to_tensordict(data, len(rows))
+        return Batch(rows, data, epoch_of(meta), stage_of(meta))
 
     def take(
         self,
@@ -277,17 +308,28 @@ class Dock:
         output: str | None = None,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
+        if (output or self.output) == "tensordict":  # before claiming: errors must not strand claimed rows
+            tensordict_cls()
+            check_tensordict_keys(columns if columns is not None else self.stages[stage], self.columns)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
         return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
 
-    def reset(self, force: bool = False) -> None:
+    def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
         changed) while a put, fetch or another reset is in flight. Claims blocked in ``claim`` keep
         waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
         a put, fetch or release with it raises InvalidArgument instead of touching the new rows.
         ``force=True`` (Ray backend) abandons same-node puts and fetches still registered in the
-        warehouses, e.g. of a worker that died between reserving and committing; their commits fail."""
-        self._backend.reset(force)
+        warehouses, e.g. of a worker that died between reserving and committing; their commits fail.
+
+        ``keep_unfinished=True`` (partial rollout): only *finished* groups — claimed by every stage —
+        are freed. Unfinished groups stay in the dock with their rows, written columns and readiness,
+        and each stage keeps the claims it *completed* (a put with the Claim/Batch, or ``complete()``),
+        so no stage gets a row twice; a claim not completed does not survive the reset and its group is
+        claimable again by that stage (first in line). New puts use the freed rows. Returns the kept
+        row ids (empty without ``keep_unfinished``). Local backend only (Ray: ``Unsupported``)."""
+        kept = self._backend.reset(force, keep_unfinished)
+        return np.empty(0, np.int64) if kept is None else kept
 
     def close(self) -> None:
         """Wakes blocked claims with ``Closed``; later claims raise ``Closed``."""

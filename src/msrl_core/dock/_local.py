@@ -44,8 +44,11 @@ class LocalBackend:
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         return self._core.put_new(inputs, n)
 
-    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
-        self._core.put(inputs, rows, epoch)
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1) -> None:
+        self._core.put(inputs, rows, epoch, stage)
+
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+        self._core.complete(stage, rows, epoch)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
@@ -98,9 +101,9 @@ class LocalBackend:
     def allocated_rows(self) -> int:
         return self._core.allocated_rows()
 
-    def reset(self, force: bool = False) -> None:
+    def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         # In-process puts and fetches cannot be orphaned: force changes nothing here.
-        self._core.reset()
+        return self._core.reset(keep_unfinished)
 
     def close(self) -> None:
         self._core.close()

@@ -29,7 +29,15 @@ import numpy as np
 from msrl_core import _core
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import _STORAGE, Column
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, OutOfMemory, Timeout, Unavailable
+from msrl_core.errors import (
+    Closed,
+    InvalidArgument,
+    MsrlError,
+    OutOfMemory,
+    Timeout,
+    Unavailable,
+    Unsupported,
+)
 
 try:
     import ray
@@ -753,7 +761,8 @@ class RayBackend:
             raise
         return rows
 
-    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1) -> None:
+        # stage (claim completion) only matters for a partial reset, which this backend refuses.
         self._ctl("check_allocated", rows, epoch)
         self._put_rows(inputs, rows, epoch)
 
@@ -831,7 +840,18 @@ class RayBackend:
     def allocated_rows(self) -> int:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
 
-    def reset(self, force: bool = False) -> None:
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+        raise Unsupported(
+            "complete(): claim completion is tracked for reset(keep_unfinished=True), which "
+            "the ray backend does not support yet; use backend='local'"
+        )
+
+    def reset(self, force: bool = False, keep_unfinished: bool = False) -> None:
+        if keep_unfinished:
+            raise Unsupported(
+                "reset(keep_unfinished=True) (partial rollout) is not supported by the ray "
+                "backend yet; use backend='local'. Nothing was reset"
+            )
         # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
         # starting between this check and the warehouse resets can still make one of them refuse).
         if not force:

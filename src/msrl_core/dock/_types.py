@@ -175,10 +175,11 @@ class Claim:
 class Batch(Mapping):
     """Fetched columns of some rows: ``batch["rewards"]`` (dense), ``batch["responses"]`` (Ragged/Padded)."""
 
-    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1):
+    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1, stage: str | None = None):
         self.rows = rows
         self._data = data
         self.epoch = epoch
+        self.stage = stage  # the claiming stage when fetched with a Claim (take), else None
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -201,6 +202,11 @@ def epoch_of(rows: Any) -> int:
     return int(rows.epoch) if isinstance(rows, (Claim, Batch)) else -1
 
 
+def stage_of(rows: Any) -> str | None:
+    """The claiming stage of a Claim (or of a Batch fetched with one); None for plain row ids."""
+    return rows.stage if isinstance(rows, (Claim, Batch)) else None
+
+
 def rows_array(rows: Any, capacity: int) -> np.ndarray:
     """Claim / Batch / sequence of ints -> int64 array (values are range-checked by the core)."""
     if isinstance(rows, (Claim, Batch)):
@@ -217,6 +223,74 @@ def rows_array(rows: Any, capacity: int) -> np.ndarray:
         bad = int(arr[(arr < 0) | (arr >= capacity)][0])
         raise InvalidArgument(f"row {bad} out of range [0, {capacity})")
     return arr
+
+
+# ---- TensorDict (optional) --------------------------------------------------------------------
+
+
+def is_tensordict(x: Any) -> bool:
+    return type(x).__module__.startswith("tensordict") and hasattr(x, "batch_size") and hasattr(x, "keys")
+
+
+def tensordict_cls() -> Any:
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        raise InvalidArgument("output='tensordict' needs the tensordict package installed") from None
+    return TensorDict
+
+
+def tensordict_to_put(td: Any, columns: Mapping[str, Column]) -> dict[str, Any]:
+    """A TensorDict with batch size [n] (n = rows) -> {column: tensor} for put. Dense columns only:
+    its first batch dim is the row dim, so ragged columns cannot be expressed row by row."""
+    if len(td.batch_size) != 1:
+        raise InvalidArgument(
+            f"put of a TensorDict needs batch_size [rows], got {list(td.batch_size)}; "
+            "reshape it so the only batch dim is the rows"
+        )
+    out: dict[str, Any] = {}
+    for key in td.keys():  # noqa: SIM118 (iterating a TensorDict walks its batch dim, not its keys)
+        if not isinstance(key, str):
+            raise InvalidArgument(f"put of a TensorDict takes top-level keys only, got nested key {key!r}")
+        col = columns.get(key)
+        if col is not None and col.ragged:
+            raise InvalidArgument(
+                f"column '{key}' is ragged: put it as a list of rows, a Ragged or (values, offsets), "
+                "not inside a TensorDict (whose batch dim makes every row the same length)"
+            )
+        value = td.get(key)
+        if is_tensordict(value):
+            raise InvalidArgument(f"put of a TensorDict: key '{key}' holds a nested TensorDict")
+        out[key] = value
+    if not out:
+        raise InvalidArgument("put of an empty TensorDict")
+    return out
+
+
+def check_tensordict_keys(names: Sequence[str], columns: Mapping[str, Column]) -> None:
+    """Refuses a fetch whose ragged column's ``<name>_mask`` would collide with another fetched column."""
+    for name in names:
+        col = columns.get(name)
+        if col is not None and col.ragged and f"{name}_mask" in names:
+            raise InvalidArgument(
+                f"output='tensordict': the mask of ragged column '{name}' would be stored as '{name}_mask', "
+                "which is also a fetched column; fetch them separately"
+            )
+
+
+def to_tensordict(data: Mapping[str, Any], n: int) -> Any:
+    """Fetched torch outputs -> TensorDict(batch_size=[n]): dense columns as they are, ragged columns
+    as padded values under their name plus a bool ``<name>_mask`` [n, width]."""
+    td_cls = tensordict_cls()
+    torch = _torch()
+    fields: dict[str, Any] = {}
+    for name, val in data.items():
+        if isinstance(val, Padded):
+            fields[name] = val.values
+            fields[f"{name}_mask"] = torch.from_numpy(np.ascontiguousarray(np.asarray(val.mask)))
+        else:
+            fields[name] = val
+    return td_cls(fields, batch_size=[n])
 
 
 # ---- input conversion -------------------------------------------------------------------------
