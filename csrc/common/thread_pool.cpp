@@ -111,7 +111,7 @@ void parallel_memcpy(void* dst, const void* src, size_t nbytes) {
 }
 
 void copy_segments(std::vector<Segment> segs) {
-  constexpr size_t kParallelBytes = 4u << 20;
+  constexpr size_t kParallelBytes = 1u << 20;  // below this a copy stays on the calling thread
   if (segs.empty()) return;
   std::vector<Segment> merged;
   merged.reserve(segs.size());

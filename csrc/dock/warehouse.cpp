@@ -43,51 +43,8 @@ size_t ColumnSpec::item_bytes() const {
 
 namespace {
 
-constexpr size_t kParallelBytes = 1 << 20;  // below this a copy stays on the calling thread
 
 }  // namespace
-
-void copy_segments(std::vector<Segment> segs) {
-  if (segs.empty()) return;
-  std::vector<Segment> merged;
-  merged.reserve(segs.size());
-  size_t total = 0;
-  for (const Segment& s : segs) {
-    total += s.nbytes;
-    if (!merged.empty()) {
-      Segment& b = merged.back();
-      if (b.dst + b.nbytes == s.dst && b.src + b.nbytes == s.src) {
-        b.nbytes += s.nbytes;
-        continue;
-      }
-    }
-    merged.push_back(s);
-  }
-  if (total < kParallelBytes) {
-    for (const Segment& s : merged) std::memcpy(s.dst, s.src, s.nbytes);
-    return;
-  }
-  if (merged.size() == 1) {
-    parallel_memcpy(merged[0].dst, merged[0].src, merged[0].nbytes);
-    return;
-  }
-  // Many segments: split into roughly equal byte chunks across the pool.
-  size_t parts = std::max<size_t>(1, std::min(ThreadPool::shared().size() * 2, merged.size()));
-  size_t per = (total + parts - 1) / parts;
-  std::vector<size_t> starts{0};
-  size_t acc = 0;
-  for (size_t i = 0; i < merged.size(); ++i) {
-    acc += merged[i].nbytes;
-    if (acc >= per && i + 1 < merged.size()) {
-      starts.push_back(i + 1);
-      acc = 0;
-    }
-  }
-  starts.push_back(merged.size());
-  ThreadPool::shared().parallel_for(starts.size() - 1, [&](size_t k) {
-    for (size_t i = starts[k]; i < starts[k + 1]; ++i) std::memcpy(merged[i].dst, merged[i].src, merged[i].nbytes);
-  });
-}
 
 Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns,
                      std::vector<uint8_t*> external_arenas)

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "common/thread_pool.h"
+
 namespace msrl::dock {
 
 enum class DType : int { kBool = 0, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kUInt8 };
@@ -48,13 +50,9 @@ struct ColumnStats {
   int64_t arena_bytes = 0;  // reserved arena capacity
 };
 
-// Copies (dst, src, nbytes) segments, merging contiguous ones; large totals run on the shared pool.
-struct Segment {
-  uint8_t* dst;
-  const uint8_t* src;
-  size_t nbytes;
-};
-void copy_segments(std::vector<Segment> segs);
+// Copies of (dst, src, nbytes) segments: the shared implementation of common/thread_pool.h.
+using ::msrl::copy_segments;
+using ::msrl::Segment;
 
 class Warehouse {
  public:
