@@ -41,11 +41,6 @@ size_t ColumnSpec::item_bytes() const {
   return n;
 }
 
-namespace {
-
-
-}  // namespace
-
 Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns,
                      std::vector<uint8_t*> external_arenas)
     : id_(id), row_begin_(row_begin), num_rows_(num_rows), columns_(std::move(columns)) {
