@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._types import (
     Batch,
     Claim,
@@ -254,6 +255,7 @@ class Dock:
         layout: str = "packed",
         output: str | None = None,
         copy: bool = True,
+        device: Any = None,
     ) -> Batch:
         """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
         ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or
@@ -266,13 +268,17 @@ class Dock:
         lie back to back in one warehouse arena comes back as a zero-copy view of the arena (read-only
         numpy array; torch tensor that must not be written) and is named in ``batch.views``; any other
         column is one packed copy as usual. While any view is alive ``reset()`` raises InvalidArgument
-        (nothing changed): drop the views (and tensors made from them) first."""
+        (nothing changed): drop the views (and tensors made from them) first.
+
+        ``device`` (e.g. ``"cuda:0"``, needs ``output='torch'``): values are copied host->device through
+        the native copy engine into tensors allocated on that device (offsets and lengths stay numpy)."""
         t0 = time.perf_counter()
         if layout not in _LAYOUTS:
             raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
         output = output or self.output
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        check_device_output(device, output, copy)
         if not copy:
             if self.backend != "local":
                 raise Unsupported(
@@ -315,6 +321,8 @@ class Dock:
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
             val = to_output(arr, col, "torch" if as_td else output, share=name in views)
+            if device is not None:
+                val = device_io().to_device(val, device)
             if lengths is None:
                 data[name] = val
             elif layout == "padded":
@@ -336,13 +344,17 @@ class Dock:
         max_items: int | None = None,
         layout: str = "packed",
         output: str | None = None,
+        device: Any = None,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
-        if (output or self.output) == "tensordict":  # before claiming: errors must not strand claimed rows
+        # Before claiming: errors must not strand claimed rows.
+        check_device_output(device, output or self.output, True)
+        if (output or self.output) == "tensordict":
             tensordict_cls()
             check_tensordict_keys(columns if columns is not None else self.stages[stage], self.columns)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
-        return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
+        cols = columns if columns is not None else self.stages[stage]
+        return self.fetch(meta, cols, layout, output, device=device)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing

@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from msrl_core.dock import _device
 from msrl_core.errors import InvalidArgument
 
 DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32")
@@ -151,7 +152,7 @@ class Padded:
         width = self.values.shape[1] if self.values.ndim > 1 else 0
         m = np.arange(width)[None, :] < np.asarray(self.lengths)[:, None]
         if is_torch_tensor(self.values):
-            return _torch().from_numpy(m)
+            return _torch().from_numpy(m).to(self.values.device)  # a small mask: torch's own copy
         return m
 
 
@@ -317,8 +318,8 @@ def _as_numpy(x: Any, name: str, col: Column) -> np.ndarray:
         got = str(x.dtype).replace("torch.", "")
         if got != col.dtype:
             raise InvalidArgument(f"column '{name}': expected dtype {col.dtype}, got torch.{got}")
-        if x.device.type != "cpu":
-            x = x.cpu()
+        if _device.is_device_tensor(x):  # device -> pinned host staging through the copy engine
+            return _device.device_to_numpy(x, col.storage_dtype)
         x = x.contiguous()
         if col.dtype == "bfloat16":
             x = x.view(_torch().int16)
