@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -471,4 +472,39 @@ TEST(DockCore, PartialResetWithEverythingFinishedFreesAll) {
   EXPECT_EQ(d.allocated_rows(), 0);
   EXPECT_EQ(d.warehouse(0).bytes_held(), 0);
   EXPECT_EQ(code_of([&] { d.complete(5, rows.data(), 2); }), Code::kNotFound);
+}
+
+TEST(DockCore, ViewsAreZeroCopyAndPinTheIteration) {
+  DockCore d(small_config());
+  std::vector<int64_t> plens = {2, 2, 3, 3};
+  std::vector<int64_t> prompts = {1, 1, 2, 2, 3, 3, 3, 4, 4, 4};
+  auto rows = d.put_new({ColumnInput{0, prompts.data(), prompts.size() * 8, plens.data()}}, 4);
+  ASSERT_NE(d.warehouse_of(rows[0]), d.warehouse_of(rows[2]));
+  const uint8_t* data = nullptr;
+  size_t nbytes = 0;
+  std::vector<int64_t> lens(4);
+  // One group: its rows are back to back in one arena.
+  ASSERT_TRUE(d.view(0, rows.data(), 2, &data, &nbytes, lens.data()));
+  EXPECT_EQ(nbytes, 32u);
+  EXPECT_EQ(std::memcmp(data, prompts.data(), 32), 0);
+  const uint8_t* again = nullptr;
+  ASSERT_TRUE(d.view(0, rows.data(), 2, &again, &nbytes, lens.data()));
+  EXPECT_EQ(again, data);  // the arena itself, not a copy
+  EXPECT_EQ(d.live_views(), 2);
+  // Two warehouses: no view, nothing pinned; lengths are still reported.
+  EXPECT_FALSE(d.view(0, rows.data(), 4, &data, &nbytes, lens.data()));
+  EXPECT_EQ(lens, plens);
+  EXPECT_EQ(d.live_views(), 2);
+  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.epoch(), 0u);  // nothing reset
+  d.unpin();
+  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
+  d.unpin();
+  EXPECT_EQ(code_of([&] { d.unpin(); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.live_views(), 0);
+  // A column not written and a stale epoch are errors that pin nothing.
+  EXPECT_EQ(code_of([&] { d.view(1, rows.data(), 2, &data, &nbytes, lens.data()); }), Code::kInvalidArgument);
+  d.reset();
+  EXPECT_EQ(code_of([&] { d.view(0, rows.data(), 2, &data, &nbytes, lens.data(), 0); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.live_views(), 0);
 }

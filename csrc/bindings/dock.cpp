@@ -121,9 +121,38 @@ py::dict progress_dict(const dock::StageProgress& p) {
   return d;
 }
 
+// A pinned zero-copy span of one warehouse arena (DockCore::view). Exposes the bytes read-only through
+// the buffer protocol, so numpy arrays made from it keep it alive; unpins when the last one goes.
+class DockView {
+ public:
+  DockView(py::object owner, dock::DockCore* core, const uint8_t* data, size_t nbytes)
+      : owner_(std::move(owner)), core_(core), data_(data), nbytes_(nbytes) {}
+  DockView(const DockView&) = delete;
+  DockView& operator=(const DockView&) = delete;
+  ~DockView() { core_->unpin(); }
+  const uint8_t* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  py::object owner_;  // keeps the DockCore alive
+  dock::DockCore* core_;
+  const uint8_t* data_;
+  size_t nbytes_;
+};
+
 }  // namespace
 
 void bind_dock(py::module_& m) {
+  py::class_<DockView>(m, "DockView", py::buffer_protocol(),
+                       "Read-only bytes of a warehouse arena (zero-copy fetch); pins its iteration: the dock's "
+                       "reset() refuses while one is alive.")
+      .def_buffer([](DockView& v) {
+        return py::buffer_info(const_cast<uint8_t*>(v.data()), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<ssize_t>(v.nbytes())}, {static_cast<ssize_t>(1)}, /*readonly=*/true);
+      })
+      .def_property_readonly("address", [](const DockView& v) { return reinterpret_cast<uintptr_t>(v.data()); })
+      .def_property_readonly("nbytes", &DockView::nbytes);
+
   py::class_<dock::DockCore>(m, "DockCore", "The embedded transfer dock: warehouses, controllers, row allocator.")
       .def(py::init([](const std::vector<ColumnTuple>& columns,
                        const std::vector<std::tuple<std::string, std::vector<std::string>, std::string>>& stages,
@@ -216,6 +245,25 @@ void bind_dock(py::module_& m) {
             d.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst, epoch);
           },
           py::arg("column"), py::arg("rows"), py::arg("max_items"), py::arg("out"), py::arg("epoch") = -1)
+      .def(
+          "view",
+          [](py::object self, int column, const I64Array& rows, int64_t epoch) -> py::tuple {
+            dock::DockCore& d = self.cast<dock::DockCore&>();
+            const size_t n = static_cast<size_t>(rows.size());
+            py::array_t<int64_t> lens(rows.size());
+            const uint8_t* data = nullptr;
+            size_t nbytes = 0;
+            bool ok = false;
+            {
+              py::gil_scoped_release release;
+              ok = d.view(column, rows.data(), n, &data, &nbytes, lens.mutable_data(), epoch);
+            }
+            if (!ok) return py::make_tuple(py::none(), lens);
+            return py::make_tuple(py::cast(std::make_unique<DockView>(self, &d, data, nbytes)), lens);
+          },
+          py::arg("column"), py::arg("rows"), py::arg("epoch") = -1,
+          "(DockView | None, lengths): a pinned view when the rows' bytes are contiguous in one arena.")
+      .def_property_readonly("live_views", &dock::DockCore::live_views)
       .def("warehouse_of",
            [](const dock::DockCore& d, const I64Array& rows) {
              py::array_t<int32_t> out(rows.size());

@@ -354,12 +354,52 @@ void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t 
   timer.bytes = static_cast<int64_t>(n * stride);
 }
 
+bool DockCore::view(int column, const int64_t* rows, size_t n, const uint8_t** data, size_t* nbytes, int64_t* lengths,
+                    int64_t epoch) {
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
+  check_epoch(epoch);
+  Timer timer(fetch_stats);
+  MSRL_CHECK(column >= 0 && column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", column,
+             " out of range");
+  MSRL_CHECK(n > 0, kInvalidArgument, "a view needs at least one row");
+  const size_t item = config_.columns[column].item_bytes();
+  std::vector<const uint8_t*> ptrs(n);
+  for (size_t i = 0; i < n; ++i) {
+    warehouses_[warehouse_of(rows[i])]->views(column, rows + i, 1, ptrs.data() + i, lengths + i);
+  }
+  const int w0 = warehouse_of(rows[0]);
+  size_t total = static_cast<size_t>(lengths[0]) * item;
+  bool contiguous = true;
+  for (size_t i = 1; i < n && contiguous; ++i) {
+    contiguous = warehouse_of(rows[i]) == w0 && ptrs[i] == ptrs[0] + total;
+    total += static_cast<size_t>(lengths[i]) * item;
+  }
+  timer.rows = static_cast<int64_t>(n);
+  if (!contiguous) return false;
+  *data = ptrs[0];
+  *nbytes = total;
+  // Under the shared ops lock: reset (exclusive) sees either no pin and no view, or the pin.
+  live_views_.fetch_add(1);
+  return true;
+}
+
+void DockCore::unpin() {
+  int64_t v = live_views_.load();
+  do {
+    MSRL_CHECK(v > 0, kInvalidArgument, "unpin() without a live view");
+  } while (!live_views_.compare_exchange_weak(v, v - 1));
+}
+
 void DockCore::reset() { (void)reset(false); }
 
 std::vector<int64_t> DockCore::reset(bool keep_unfinished) {
   std::unique_lock<std::shared_mutex> ops(ops_mu_, std::try_to_lock);
   MSRL_CHECK(ops.owns_lock(), kInvalidArgument,
              "reset() while a put, fetch or another reset is in flight; nothing was reset");
+  const int64_t views = live_views_.load();
+  MSRL_CHECK(views == 0, kInvalidArgument, "reset() while ", views,
+             " zero-copy fetch view(s) of this iteration are alive (arrays from fetch(copy=False)); drop them "
+             "first; nothing was reset");
   const int64_t G = config_.group_size;
   const int64_t groups = config_.capacity / G;
   std::vector<uint8_t> keep(groups, 0);

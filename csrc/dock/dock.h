@@ -89,10 +89,21 @@ class DockCore {
   // Padded copy [n, max_items, inner...], tails zero-filled.
   void gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst, int64_t epoch = -1);
 
+  // Zero-copy read: when the rows' bytes of the column lie back to back in one warehouse arena (in the
+  // given order), returns true, sets *data / *nbytes to that span and *pins* the iteration: reset()
+  // refuses until unpin() is called once for it. Otherwise returns false and pins nothing (the caller
+  // falls back to gather). `lengths` (n) receives items per row either way. Readiness and epoch are
+  // checked as for gather; errors change nothing.
+  bool view(int column, const int64_t* rows, size_t n, const uint8_t** data, size_t* nbytes, int64_t* lengths,
+            int64_t epoch = -1);
+  void unpin();                                              // one call per successful view()
+  int64_t live_views() const { return live_views_.load(); }  // views not yet unpinned
+
   bool allocated(int64_t row) const;
   int64_t allocated_rows() const;
   // Clears rows, readiness and claims and starts the next iteration. Throws InvalidArgument (nothing
-  // changed) while a put or fetch runs or another reset runs. Claims from before the reset are stale.
+  // changed) while a put or fetch runs, another reset runs or views are alive (live_views() > 0).
+  // Claims from before the reset are stale.
   // keep_unfinished (partial rollout): only *finished* groups — claimed by every stage — are freed.
   // Unfinished groups keep their rows, written columns, readiness and each stage's completed claims
   // (ragged arenas are compacted); a claim not completed (no put with it, no complete()) is dropped and
@@ -111,6 +122,7 @@ class DockCore {
   void check_allocated(const int64_t* rows, size_t n) const;
   void check_epoch(int64_t epoch) const;
   std::atomic<uint64_t> epoch_{0};
+  std::atomic<int64_t> live_views_{0};  // changed under ops_mu_ (shared to pin, exclusive in reset)
 
   DockConfig config_;
   std::vector<std::unique_ptr<Warehouse>> warehouses_;

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._types import (
     Batch,
     Claim,
@@ -28,7 +29,7 @@ from msrl_core.dock._types import (
     to_put_input,
     to_tensordict,
 )
-from msrl_core.errors import InvalidArgument, NotFound
+from msrl_core.errors import InvalidArgument, NotFound, Unsupported
 
 _LAYOUTS = ("packed", "padded")
 _OUTPUTS = ("numpy", "torch", "tensordict")
@@ -253,19 +254,42 @@ class Dock:
         columns: Sequence[str] | None = None,
         layout: str = "packed",
         output: str | None = None,
+        copy: bool = True,
+        device: Any = None,
     ) -> Batch:
         """Reads columns of claimed rows (a Claim, or row ids). Fixed columns come back dense
         ``[n, *shape]``; ragged ones as ``Ragged(values, offsets)`` (``layout='packed'``) or
         ``Padded(values, lengths)`` with a ``mask`` (``layout='padded'``). ``columns`` defaults to the
         claiming stage's inputs. ``output='tensordict'`` (tensordict installed) returns a
         ``TensorDict`` with batch size ``[n]`` instead of a Batch: dense columns as torch tensors, ragged
-        ones padded (whatever ``layout``) with a bool ``<name>_mask``; keep the Claim to put back."""
+        ones padded (whatever ``layout``) with a bool ``<name>_mask``; keep the Claim to put back.
+
+        ``copy=False`` (local backend, packed layout, numpy or torch output): a column whose rows' bytes
+        lie back to back in one warehouse arena comes back as a zero-copy view of the arena (read-only
+        numpy array; torch tensor that must not be written) and is named in ``batch.views``; any other
+        column is one packed copy as usual. While any view is alive ``reset()`` raises InvalidArgument
+        (nothing changed): drop the views (and tensors made from them) first.
+
+        ``device`` (e.g. ``"cuda:0"``, needs ``output='torch'``): values are copied host->device through
+        the native copy engine into tensors allocated on that device (offsets and lengths stay numpy)."""
         t0 = time.perf_counter()
         if layout not in _LAYOUTS:
             raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
         output = output or self.output
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        check_device_output(device, output, copy)
+        if not copy:
+            if self.backend != "local":
+                raise Unsupported(
+                    f"fetch(copy=False) (zero-copy views) is local-backend only; this dock's backend is "
+                    f"{self.backend!r}: fetch with copy=True"
+                )
+            if layout != "packed" or output == "tensordict":
+                raise InvalidArgument(
+                    "fetch(copy=False) returns views of the packed arenas: it needs layout='packed' and "
+                    f"output 'numpy' or 'torch', got layout={layout!r}, output={output!r}"
+                )
         if columns is None:
             if not isinstance(meta, Claim):
                 raise InvalidArgument("fetch of plain row ids needs columns=")
@@ -281,10 +305,24 @@ class Dock:
         cids = [self._cid(c) for c in columns]
         data: dict[str, Any] = {}
         specs = [(cid, self.columns[c]) for c, cid in zip(columns, cids)]
-        got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
-        for name, (arr, lengths) in zip(columns, got):
+        views: set[str] = set()
+        if copy or len(rows) == 0:
+            got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
+        else:
+            got = []
+            try:
+                for name, (cid, col) in zip(columns, specs):
+                    got.append(self._backend.fetch_view(cid, col, rows, epoch_of(meta)))
+                    if got[-1][2]:
+                        views.add(name)
+            except BaseException:
+                got.clear()  # views of earlier columns must not stay pinned by the traceback
+                raise
+        for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
-            val = to_output(arr, col, "torch" if as_td else output)
+            val = to_output(arr, col, "torch" if as_td else output, share=name in views)
+            if device is not None:
+                val = device_io().to_device(val, device)
             if lengths is None:
                 data[name] = val
             elif layout == "padded":
@@ -294,7 +332,7 @@ class Dock:
         self._record("fetch", t0)
         if as_td:
             return to_tensordict(data, len(rows))
-        return Batch(rows, data, epoch_of(meta), stage_of(meta))
+        return Batch(rows, data, epoch_of(meta), stage_of(meta), frozenset(views))
 
     def take(
         self,
@@ -306,17 +344,22 @@ class Dock:
         max_items: int | None = None,
         layout: str = "packed",
         output: str | None = None,
+        device: Any = None,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
-        if (output or self.output) == "tensordict":  # before claiming: errors must not strand claimed rows
+        # Before claiming: errors must not strand claimed rows.
+        check_device_output(device, output or self.output, True)
+        if (output or self.output) == "tensordict":
             tensordict_cls()
             check_tensordict_keys(columns if columns is not None else self.stages[stage], self.columns)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
-        return self.fetch(meta, columns if columns is not None else self.stages[stage], layout, output)
+        cols = columns if columns is not None else self.stages[stage]
+        return self.fetch(meta, cols, layout, output, device=device)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
-        changed) while a put, fetch or another reset is in flight. Claims blocked in ``claim`` keep
+        changed) while a put, fetch or another reset is in flight, or while zero-copy views from
+        ``fetch(copy=False)`` are alive (the message says how many). Claims blocked in ``claim`` keep
         waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
         a put, fetch or release with it raises InvalidArgument instead of touching the new rows.
         ``force=True`` (Ray backend) abandons same-node puts and fetches still registered in the

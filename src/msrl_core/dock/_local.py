@@ -78,6 +78,23 @@ class LocalBackend:
             self._core.gather(cid, rows, out, epoch)
         return out, lengths
 
+    def fetch_view(
+        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
+    ) -> tuple[np.ndarray, Any, bool]:
+        """Zero-copy when the rows' bytes are contiguous in one arena: (read-only array over the arena,
+        lengths or None, True); the array keeps a native DockView alive that pins the iteration.
+        Otherwise one packed copy: (array, lengths or None, False)."""
+        view, lengths = self._core.view(cid, rows, epoch)
+        if view is None:
+            arr, _ = self.fetch(cid, col, rows, "packed", epoch)
+            return arr, (lengths if col.ragged else None), False
+        items = int(lengths.sum()) if col.ragged else len(rows)
+        arr = np.frombuffer(memoryview(view), dtype=col.storage_dtype).reshape(items, *col.shape)
+        return arr, (lengths if col.ragged else None), True
+
+    def live_views(self) -> int:
+        return self._core.live_views
+
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]:

@@ -6,12 +6,14 @@ and come back as torch views of the numpy results when asked.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import numpy as np
 
+from msrl_core.dock import _device
 from msrl_core.errors import InvalidArgument
 
 DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32")
@@ -150,7 +152,7 @@ class Padded:
         width = self.values.shape[1] if self.values.ndim > 1 else 0
         m = np.arange(width)[None, :] < np.asarray(self.lengths)[:, None]
         if is_torch_tensor(self.values):
-            return _torch().from_numpy(m)
+            return _torch().from_numpy(m).to(self.values.device)  # a small mask: torch's own copy
         return m
 
 
@@ -175,11 +177,21 @@ class Claim:
 class Batch(Mapping):
     """Fetched columns of some rows: ``batch["rewards"]`` (dense), ``batch["responses"]`` (Ragged/Padded)."""
 
-    def __init__(self, rows: np.ndarray, data: dict[str, Any], epoch: int = -1, stage: str | None = None):
+    def __init__(
+        self,
+        rows: np.ndarray,
+        data: dict[str, Any],
+        epoch: int = -1,
+        stage: str | None = None,
+        views: frozenset[str] = frozenset(),
+    ):
         self.rows = rows
         self._data = data
         self.epoch = epoch
         self.stage = stage  # the claiming stage when fetched with a Claim (take), else None
+        # fetch(copy=False): the columns returned as zero-copy views of the warehouse arenas (the
+        # others, whose rows were not contiguous in one arena, are one packed copy each).
+        self.views = views
 
     def __getitem__(self, key: str) -> Any:
         return self._data[key]
@@ -306,8 +318,8 @@ def _as_numpy(x: Any, name: str, col: Column) -> np.ndarray:
         got = str(x.dtype).replace("torch.", "")
         if got != col.dtype:
             raise InvalidArgument(f"column '{name}': expected dtype {col.dtype}, got torch.{got}")
-        if x.device.type != "cpu":
-            x = x.cpu()
+        if _device.is_device_tensor(x):  # device -> pinned host staging through the copy engine
+            return _device.device_to_numpy(x, col.storage_dtype)
         x = x.contiguous()
         if col.dtype == "bfloat16":
             x = x.view(_torch().int16)
@@ -389,15 +401,19 @@ def _check_inner(name: str, col: Column, inner: tuple[int, ...]) -> None:
 # ---- output conversion ------------------------------------------------------------------------
 
 
-def to_output(arr: np.ndarray, col: Column, output: str) -> Any:
+def to_output(arr: np.ndarray, col: Column, output: str, share: bool = False) -> Any:
+    """numpy as is, or a torch tensor over the same memory. A read-only array is copied for torch unless
+    ``share`` (zero-copy views: torch has no read-only tensors, the caller must not write them)."""
     if output == "numpy":
         return arr
     torch = _torch()
     if torch is None:
         raise InvalidArgument("output='torch' needs torch installed")
-    if not arr.flags.writeable:
+    if not arr.flags.writeable and not share:
         arr = arr.copy()
-    t = torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(arr)
     if col.dtype == "bfloat16":
         t = t.view(torch.bfloat16)
     return t
