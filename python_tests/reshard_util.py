@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import torch
 
+from msrl_core.reshard import ModelConfig
 from msrl_core.reshard.plan import ReshardPlan, execute_numpy, views_of
 
 
@@ -51,3 +52,66 @@ def run_plan_numpy(plan: ReshardPlan, shards: dict, infer_rank: int, bucket_byte
         if len(d):
             execute_numpy(d, flat, gathered_bucket(plan, b, shards))
     return views_of(torch.from_numpy(flat), layout, getattr(torch, plan.cfg.dtype))
+
+
+# Small models covering the layout features, shared by the reshard tests.
+CONFIGS = {
+    "qwen2_gqa_bias": ModelConfig(
+        "qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=1000,
+        qkv_bias=True,
+    ),
+    "llama_mqa_tied": ModelConfig(
+        "llama",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        vocab_size=997,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_qknorm_hd": ModelConfig(
+        "qwen3",
+        hidden_size=48,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=64,
+        vocab_size=1024,
+        qk_norm=True,
+    ),
+    "qwen3_moe": ModelConfig(
+        "qwen3_moe",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=1000,
+        qk_norm=True,
+        num_experts=4,
+        moe_intermediate_size=32,
+    ),
+    "qwen2_moe_shared": ModelConfig(
+        "qwen2_moe",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        vocab_size=1000,
+        qkv_bias=True,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        tie_word_embeddings=True,
+    ),
+}

@@ -12,68 +12,7 @@ from hypothesis import strategies as st
 import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, ReshardError, megatron_to_vllm, reference, to_hf
 from msrl_core.reshard.layout import vllm_padded_vocab
-from reshard_util import gathered_bucket, random_shards, run_plan_numpy
-
-CONFIGS = {
-    "qwen2_gqa_bias": ModelConfig(
-        "qwen2",
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=1000,
-        qkv_bias=True,
-    ),
-    "llama_mqa_tied": ModelConfig(
-        "llama",
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        intermediate_size=128,
-        vocab_size=997,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_qknorm_hd": ModelConfig(
-        "qwen3",
-        hidden_size=48,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        intermediate_size=64,
-        vocab_size=1024,
-        qk_norm=True,
-    ),
-    "qwen3_moe": ModelConfig(
-        "qwen3_moe",
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        vocab_size=1000,
-        qk_norm=True,
-        num_experts=4,
-        moe_intermediate_size=32,
-    ),
-    "qwen2_moe_shared": ModelConfig(
-        "qwen2_moe",
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=96,
-        vocab_size=1000,
-        qkv_bias=True,
-        num_experts=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=64,
-        tie_word_embeddings=True,
-    ),
-}
+from reshard_util import CONFIGS, gathered_bucket, random_shards, run_plan_numpy
 
 TRAIN = {
     "tp1": Parallel(tp=1),

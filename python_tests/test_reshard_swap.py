@@ -19,18 +19,9 @@ from msrl_core.reshard import (
     reference,
     to_hf,
 )
-from reshard_util import random_shards
+from reshard_util import CONFIGS, random_shards
 
-CFG = ModelConfig(
-    "qwen2",
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=1000,
-    qkv_bias=True,
-)
+CFG = CONFIGS["qwen2_gqa_bias"]
 BUCKET = 16 << 10
 
 
