@@ -18,12 +18,12 @@ def main() -> None:
     engine = msrl_core.CopyEngine()
     weights = np.random.default_rng(0).standard_normal((64 << 20) // 4).astype(np.float32)  # 64 MiB
     mirror = pool.allocate(weights.nbytes)  # pinned host mirror, reused across iterations
-    t0 = time.perf_counter()
-    ticket = engine.copy(mirror, weights, kind="d2h")  # swap out
-    ticket.wait(timeout=30)
     restored = np.empty_like(weights)
-    engine.copy(restored, mirror, kind="h2d").wait(timeout=30)  # swap back
-    secs = time.perf_counter() - t0
+    for _ in range(2):  # the first round also faults the pages in; the second is the steady state
+        t0 = time.perf_counter()
+        engine.copy(mirror, weights, kind="d2h").wait(timeout=30)  # swap out
+        engine.copy(restored, mirror, kind="h2d").wait(timeout=30)  # swap back
+        secs = time.perf_counter() - t0
     assert np.array_equal(restored, weights)
     print(
         f"swap out + in of {weights.nbytes >> 20} MiB: {2 * weights.nbytes / secs / 1e9:.2f} GB/s, verified"
