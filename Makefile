@@ -8,8 +8,10 @@ VPY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 JOBS ?= 2
 PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
+# NVIDIA's and Huawei's headers for the vendor ABI conformance test: fetched once, outside the repository.
+VENDOR_HEADERS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/msrl_core/vendor_headers
 
-.PHONY: setup-vllm test-vllm setup apt venv install build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
+.PHONY: setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
 
 setup: apt install
 
@@ -27,19 +29,24 @@ venv:
 install: venv
 	$(VPY) -m pip install -q --no-build-isolation .
 
-build-tests: apt venv
+# Downloads the pinned wheels with `pip download --no-deps` (never installs them) and unpacks only headers;
+# a second run finds them and downloads nothing.
+vendor-headers: venv
+	$(VPY) cpp_tests/vendor_abi/fetch_headers.py "$(VENDOR_HEADERS)"
+
+build-tests: apt venv vendor-headers
 	cmake -S . -B build/tests -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMSRL_BUILD_PYTHON=OFF \
-	  -DMSRL_BUILD_TESTS=ON -DMSRL_WERROR=ON >/dev/null
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_WERROR=ON -DMSRL_VENDOR_HEADERS="$(VENDOR_HEADERS)" >/dev/null
 	cmake --build build/tests -j $(JOBS)
 
-build-asan: apt venv
+build-asan: apt venv vendor-headers
 	cmake -S . -B build/asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMSRL_BUILD_PYTHON=OFF \
-	  -DMSRL_BUILD_TESTS=ON -DMSRL_SANITIZE=ON >/dev/null
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_SANITIZE=ON -DMSRL_VENDOR_HEADERS="$(VENDOR_HEADERS)" >/dev/null
 	cmake --build build/asan -j $(JOBS)
 
-build-tsan: apt venv
+build-tsan: apt venv vendor-headers
 	cmake -S . -B build/tsan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DMSRL_BUILD_PYTHON=OFF \
-	  -DMSRL_BUILD_TESTS=ON -DMSRL_TSAN=ON >/dev/null
+	  -DMSRL_BUILD_TESTS=ON -DMSRL_TSAN=ON -DMSRL_VENDOR_HEADERS="$(VENDOR_HEADERS)" >/dev/null
 	cmake --build build/tsan -j $(JOBS) --target msrl_cpp_tests
 
 build-bench: venv
@@ -60,8 +67,8 @@ cpp-tsan: build-tsan
 
 lint: apt venv
 	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')
-	$(VPY) -m ruff check src python_tests vllm_tests bench examples
-	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples
+	$(VPY) -m ruff check src python_tests vllm_tests bench examples cpp_tests
+	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples cpp_tests
 	$(VPY) -m mypy
 
 py-test: install

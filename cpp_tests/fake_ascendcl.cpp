@@ -11,9 +11,9 @@ using namespace msrl::aclabi;
 namespace {
 fake::Device g_dev;
 constexpr aclError kInvalidParam = ACL_ERROR_INVALID_PARAM;
-constexpr aclError kBadHandle = 107000;   // ACL_ERROR_RT_PARAM_INVALID
-constexpr aclError kWouldBlock = 507000;  // a held stream: the call would never return
-constexpr aclError kNotRegistered = 107000;
+constexpr aclError kBadHandle = ACL_ERROR_RT_PARAM_INVALID;
+constexpr aclError kWouldBlock = ACL_ERROR_RT_INTERNAL_ERROR;  // a held stream: the call would never return
+constexpr aclError kNotRegistered = ACL_ERROR_RT_PARAM_INVALID;
 }  // namespace
 
 FAKE_DEFINE_CONTROLS(fake_ascendcl, g_dev)
@@ -200,7 +200,8 @@ aclError aclrtEventElapsedTime(float* ms, aclrtEvent start, aclrtEvent end) {
 
 }  // extern "C"
 
-// Every symbol the backend resolves is exported here with the signature of our ABI header.
+// Every symbol the backend resolves is exported here with the signature of our ABI header, which the vendor
+// ABI conformance test (vendor_abi/acl_conformance.cpp) proves equal to Huawei's: fake and real agree.
 #define FAKE_CHECK_SIGNATURE(name, ret, params) \
   static_assert(std::is_same_v<decltype(&::name), name##_fn>, "fake " #name " does not match acl_abi.h");
 MSRL_ACL_SYMBOLS(FAKE_CHECK_SIGNATURE)

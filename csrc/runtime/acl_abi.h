@@ -1,6 +1,7 @@
 // Our own declarations of the few AscendCL (libascendcl) entry points msrl_core calls, so the core
 // compiles without the CANN toolkit. Values and signatures follow Huawei's public AscendCL API reference
-// (hiascend.com, "AscendCL API", CANN 8.x/9.x).
+// (hiascend.com, "AscendCL API", CANN 8.x/9.x), and cpp_tests/vendor_abi proves them, at compile time in CI,
+// equal to Huawei's own headers (acl/acl_rt.h as torch-npu ships it).
 //
 // MSRL_ACL_SYMBOLS(X) lists the required functions and MSRL_ACL_OPTIONAL_SYMBOLS(X) those that older
 // CANN releases lack, each as X(name, return type, parameter list). The backend resolves them with
@@ -36,16 +37,24 @@ enum aclrtEventRecordedStatus : int {
   ACL_EVENT_RECORDED_STATUS_COMPLETE = 1,
 };
 
-// aclrtHostRegisterV2 flags ("#define ACL_HOST_REG_PINNED 0X10000000UL" in the aclrtHostRegisterV2 page).
-constexpr uint32_t ACL_HOST_REG_MAPPED = 0x2u;
-constexpr uint32_t ACL_HOST_REG_PINNED = 0x10000000u;
+// Every constant we use, as X(type, name, value). The vendor conformance test (cpp_tests/vendor_abi)
+// checks each value against Huawei's own headers, where several of these names are macros.
+// ACL_HOST_REG_*: aclrtHostRegisterV2 flags. ACL_ERROR_RT_PARAM_INVALID and _INTERNAL_ERROR: the fake's.
+#define MSRL_ACL_CONSTANTS(X)                         \
+  X(uint32_t, ACL_HOST_REG_MAPPED, 0x2u)              \
+  X(uint32_t, ACL_HOST_REG_PINNED, 0x10000000u)       \
+  X(aclError, ACL_SUCCESS, 0)                         \
+  X(aclError, ACL_ERROR_INVALID_PARAM, 100000)        \
+  X(aclError, ACL_ERROR_REPEAT_INITIALIZE, 100002)    \
+  X(aclError, ACL_ERROR_BAD_ALLOC, 200000)            \
+  X(aclError, ACL_ERROR_RT_PARAM_INVALID, 107000)     \
+  X(aclError, ACL_ERROR_RT_INVALID_DEVICEID, 107001)  \
+  X(aclError, ACL_ERROR_RT_MEMORY_ALLOCATION, 207001) \
+  X(aclError, ACL_ERROR_RT_INTERNAL_ERROR, 507000)
 
-constexpr aclError ACL_SUCCESS = 0;
-constexpr aclError ACL_ERROR_INVALID_PARAM = 100000;
-constexpr aclError ACL_ERROR_REPEAT_INITIALIZE = 100002;
-constexpr aclError ACL_ERROR_BAD_ALLOC = 200000;
-constexpr aclError ACL_ERROR_RT_INVALID_DEVICEID = 107001;
-constexpr aclError ACL_ERROR_RT_MEMORY_ALLOCATION = 207001;
+#define MSRL_ACL_CONSTANT(type, name, value) constexpr type name = value;
+MSRL_ACL_CONSTANTS(MSRL_ACL_CONSTANT)
+#undef MSRL_ACL_CONSTANT
 
 // aclrtMemcpy2dAsync limits (same page): width <= 5,000,000 bytes, height <= 5 * 1024 * 1024 rows.
 constexpr size_t kAclMemcpy2dMaxWidth = 5000000;

@@ -1,7 +1,7 @@
 // Our own declarations of the few CUDA runtime (libcudart) entry points msrl_core calls, so the core
-// compiles without the CUDA toolkit. Values and signatures follow the CUDA Runtime API reference; they
-// are unchanged from CUDA 11 through 13 (checked against the CUDA 13.0 cuda_runtime_api.h). Never add
-// cudaMemcpyBatchAsync here: its signature changed in CUDA 13.
+// compiles without the CUDA toolkit. Values and signatures follow the CUDA Runtime API reference, and
+// cpp_tests/vendor_abi proves them, at compile time in CI, equal to NVIDIA's own CUDA 12 and 13 headers.
+// Never add cudaMemcpyBatchAsync here: its parameters changed in CUDA 13 under the same symbol.
 //
 // MSRL_CUDART_SYMBOLS(X) lists every function as X(name, return type, parameter list). The backend
 // resolves each with dlsym; the fake libcudart in cpp_tests checks its exports against the same list.
@@ -23,26 +23,32 @@ enum cudaMemcpyKind : int {
   cudaMemcpyDefault = 4,
 };
 
-constexpr cudaError_t cudaSuccess = 0;
-constexpr cudaError_t cudaErrorInvalidValue = 1;
-constexpr cudaError_t cudaErrorMemoryAllocation = 2;
-constexpr cudaError_t cudaErrorInsufficientDriver = 35;
-constexpr cudaError_t cudaErrorNoDevice = 100;
-constexpr cudaError_t cudaErrorInvalidDevice = 101;
-constexpr cudaError_t cudaErrorInvalidResourceHandle = 400;
-constexpr cudaError_t cudaErrorNotReady = 600;
-constexpr cudaError_t cudaErrorHostMemoryAlreadyRegistered = 712;
-constexpr cudaError_t cudaErrorHostMemoryNotRegistered = 713;
-constexpr cudaError_t cudaErrorUnknown = 999;
+// Every constant we use, as X(type, name, value). The vendor conformance test (cpp_tests/vendor_abi)
+// checks each value against NVIDIA's own header, where several of these names are macros.
+#define MSRL_CUDART_CONSTANTS(X)                            \
+  X(cudaError_t, cudaSuccess, 0)                            \
+  X(cudaError_t, cudaErrorInvalidValue, 1)                  \
+  X(cudaError_t, cudaErrorMemoryAllocation, 2)              \
+  X(cudaError_t, cudaErrorInsufficientDriver, 35)           \
+  X(cudaError_t, cudaErrorNoDevice, 100)                    \
+  X(cudaError_t, cudaErrorInvalidDevice, 101)               \
+  X(cudaError_t, cudaErrorInvalidResourceHandle, 400)       \
+  X(cudaError_t, cudaErrorNotReady, 600)                    \
+  X(cudaError_t, cudaErrorHostMemoryAlreadyRegistered, 712) \
+  X(cudaError_t, cudaErrorHostMemoryNotRegistered, 713)     \
+  X(cudaError_t, cudaErrorUnknown, 999)                     \
+  X(unsigned, cudaHostAllocDefault, 0)                      \
+  X(unsigned, cudaHostAllocPortable, 1)                     \
+  X(unsigned, cudaHostRegisterDefault, 0)                   \
+  X(unsigned, cudaHostRegisterPortable, 1)                  \
+  X(unsigned, cudaStreamDefault, 0)                         \
+  X(unsigned, cudaStreamNonBlocking, 1)                     \
+  X(unsigned, cudaEventDefault, 0)                          \
+  X(unsigned, cudaEventDisableTiming, 2)
 
-constexpr unsigned cudaHostAllocDefault = 0;
-constexpr unsigned cudaHostAllocPortable = 1;
-constexpr unsigned cudaHostRegisterDefault = 0;
-constexpr unsigned cudaHostRegisterPortable = 1;
-constexpr unsigned cudaStreamDefault = 0;
-constexpr unsigned cudaStreamNonBlocking = 1;
-constexpr unsigned cudaEventDefault = 0;
-constexpr unsigned cudaEventDisableTiming = 2;
+#define MSRL_CUDART_CONSTANT(type, name, value) constexpr type name = value;
+MSRL_CUDART_CONSTANTS(MSRL_CUDART_CONSTANT)
+#undef MSRL_CUDART_CONSTANT
 
 #define MSRL_CUDART_SYMBOLS(X)                                                                                   \
   X(cudaGetErrorString, const char*, (cudaError_t error))                                                        \
