@@ -37,7 +37,7 @@ struct Ours<R (*)(A...)> {
 #define MSRL_ABI_STR_(x) #x
 #define MSRL_ABI_STR(x) MSRL_ABI_STR_(x)  // x after macro expansion, as a string
 
-// Maps the vendor type `vendor` to our `ours`, both integers/enums or both pointers of one size and alignment.
+// Maps the vendor type `vendor` to our `ours`: of one size and alignment, and both integers or enums or neither.
 #define MSRL_ABI_MAP(vendor, ours)                                                                                  \
   static_assert(sizeof(vendor) == sizeof(ours) && alignof(vendor) == alignof(ours),                                 \
                 #ours " does not have the size and alignment of the vendor's " #vendor);                            \
