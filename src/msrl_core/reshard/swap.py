@@ -15,8 +15,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ReshardError, SwapStateError
-from .plan import ReshardPlan, views_of
-from .spec import canonical_megatron_name
+from .plan import INFER_RANK_ATTR, ReshardPlan, views_of
+from .steps import (
+    DEFAULT_TIMEOUT,
+    Gatherer,
+    bucket_label,
+    bytes_view,
+    current_stream,
+    group_rank,
+    group_size,
+    normalize_params,
+    prepare,
+    scratch_bytes,
+)
 
 __all__ = ["Swap", "allgather_swap", "naive_reshard"]
 
@@ -40,98 +51,6 @@ def _default_pool():
 
         _POOL = PinnedPool()
     return _POOL
-
-
-def _group_size(g) -> int:
-    import torch.distributed as dist
-
-    return 1 if g is None else dist.get_world_size(group=g)
-
-
-def _group_rank(g) -> int:
-    import torch.distributed as dist
-
-    return 0 if g is None else dist.get_rank(group=g)
-
-
-def _all_gather_single(out, inp, group) -> None:
-    import torch.distributed as dist
-
-    # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _current_stream(device) -> Any:
-    """The caller's current stream on ``device`` (CUDA / Ascend), None on the CPU."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device)
-    if device.type == "npu":  # pragma: no cover - torch_npu
-        return torch.npu.current_stream(device)  # type: ignore[attr-defined]
-    return None
-
-
-def _agree(ok: bool, groups: Mapping[str, Any], device) -> bool:
-    """MIN-all-reduce of the local verdict over each distinct training group (a few bytes)."""
-    import torch
-    import torch.distributed as dist
-
-    seen: list[Any] = []
-    for key in ("tp", "pp", "ep"):
-        g = groups.get(key)
-        if g is None or any(g is x for x in seen):
-            continue
-        seen.append(g)
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-        ok = bool(flag.item())
-    return ok
-
-
-def _gather_mode(gather: str, group) -> str:
-    if gather not in ("auto", "all_gather", "p2p"):
-        raise ReshardError(f"gather must be 'auto', 'all_gather' or 'p2p', got {gather!r}")
-    if gather != "auto" or group is None:
-        return "all_gather" if gather == "auto" else gather
-    import torch.distributed as dist
-
-    return "p2p" if str(dist.get_backend(group)) == "gloo" else "all_gather"
-
-
-def _exchange(gathered, local_bytes: int, me: int, members: int, group) -> None:
-    """All-gather as pairwise exchange: send my slot to every peer, receive each peer's slot in place."""
-    import torch.distributed as dist
-
-    mine = gathered[me * local_bytes : (me + 1) * local_bytes]
-    ops = []
-    for k in range(1, members):  # staggered order so every pair posts matching operations
-        to, frm = (me + k) % members, (me - k) % members
-        ops.append(dist.P2POp(dist.isend, mine, dist.get_global_rank(group, to), group))
-        slot = gathered[frm * local_bytes : (frm + 1) * local_bytes]
-        ops.append(dist.P2POp(dist.irecv, slot, dist.get_global_rank(group, frm), group))
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-
-
-def _normalize_params(train_params) -> dict[str, Any]:
-    items = (
-        train_params.named_parameters() if hasattr(train_params, "named_parameters") else train_params.items()
-    )
-    out: dict[str, Any] = {}
-    for name, p in items:
-        n = name
-        while n.startswith("module."):
-            n = n[len("module.") :]
-        out[canonical_megatron_name(n)] = p
-    return out
-
-
-def _bytes_view(storage, device):
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _crc(t) -> int:
@@ -189,14 +108,14 @@ class Swap:
         if stream is None and self._storages:
             # On a GPU the caching allocator may hand the re-materialised storages blocks that kernels
             # still queued on the current stream are using: the copies must start after that work.
-            stream = _current_stream(self._storages[0][3])
+            stream = current_stream(self._storages[0][3])
         self._t0 = time.perf_counter()
         name = "(none)"
         try:
             dsts, srcs = [], []
             for name, st, nbytes, device in self._storages:
                 st.resize_(nbytes)
-                dsts.append(_bytes_view(st, device))
+                dsts.append(bytes_view(st, device))
                 srcs.append(torch.frombuffer(self._mirrors[name], dtype=torch.uint8, count=nbytes))
             name = "(all storages, one batch)"
             self._tickets.append(self._engine.copy_many(dsts, srcs, kind="h2d", after=stream))
@@ -225,56 +144,27 @@ class Swap:
             self.plan._active = None
         if self._verify:
             for name, st, _, device in self._storages:
-                if _crc(_bytes_view(st, device)) != self._crcs[name]:
+                if _crc(bytes_view(st, device)) != self._crcs[name]:
                     raise ReshardError(f"verify: training storage of {name!r} differs after swap back")
             self.telemetry["verified_swap"] = True
 
 
-def _check_groups(plan: ReshardPlan, groups: Mapping[str, Any]) -> None:
-    tr = plan.train
-    for key, want in (("tp", tr.tp), ("pp", tr.pp), ("ep", tr.ep)):
-        g = groups.get(key)
-        if g is None and want > 1:
-            raise ReshardError(f"groups[{key!r}] is missing; the plan needs a {key} group of size {want}")
-        have = _group_size(g)
-        if have != want:
-            raise ReshardError(f"groups[{key!r}] has size {have}, the plan's training {key} is {want}")
-
-
-def _check_params(plan: ReshardPlan, params: dict[str, Any], stage: int) -> None:
-    import torch
-
-    want = plan.train_shapes(stage)
-    missing = [n for n in want if n not in params]
-    extra = [n for n in params if n not in want]
-    if missing:
-        raise ReshardError(
-            f"missing training parameter {missing[0]!r} (stage {stage}; {len(missing)} missing)"
-        )
-    if extra:
-        raise ReshardError(
-            f"unexpected training parameter {extra[0]!r} (stage {stage}); not in the {plan.cfg.arch} layout"
-        )
-    dt = getattr(torch, plan.cfg.dtype)
-    for n, shape in want.items():
-        p = params[n]
-        if tuple(p.shape) != tuple(shape):
-            raise ReshardError(
-                f"training parameter {n!r} has shape {tuple(p.shape)}, the layout expects {tuple(shape)}"
-            )
-        if p.dtype != dt:
-            raise ReshardError(f"training parameter {n!r} has dtype {p.dtype}, the plan expects {dt}")
-        if p.untyped_storage().nbytes() == 0:
-            raise SwapStateError(
-                f"training parameter {n!r} has no storage: a previous allgather_swap was not swapped back"
-            )
-        if not p.is_contiguous():
-            raise ReshardError(f"training parameter {n!r} is not contiguous")
+def _buffer_rank(infer: Any) -> int | None:
+    """The inference rank a buffer from ``plan.allocate_inference(r)`` was laid out for (None: unknown)."""
+    t = infer if not isinstance(infer, Mapping) else next(iter(infer.values()), None)
+    return getattr(t, INFER_RANK_ATTR, None)
 
 
 def _infer_flat(plan: ReshardPlan, infer: Any, infer_rank: int):
     import torch
 
+    have = _buffer_rank(infer)
+    if have is not None and have != infer_rank:
+        raise ReshardError(
+            f"the inference buffer was allocated for infer_rank {have} (plan.allocate_inference({have})), "
+            f"but this switch fills infer_rank {infer_rank}: pass infer_rank={have} or allocate for "
+            f"{infer_rank}"
+        )
     layout, total = plan.infer_layout(infer_rank)
     if isinstance(infer, torch.Tensor):
         if infer.dtype != torch.uint8 or infer.numel() < total or not infer.is_contiguous():
@@ -298,7 +188,7 @@ def _infer_flat(plan: ReshardPlan, infer: Any, infer_rank: int):
                     f"inference tensor {n!r} is not the view at byte {off}, shape {tuple(shape)} of one flat "
                     "buffer; allocate with plan.allocate_inference()"
                 )
-        return _bytes_view(st, t0.device), dict(infer)
+        return bytes_view(st, t0.device), dict(infer)
     raise ReshardError(f"infer must be a flat uint8 tensor or a dict of views, got {type(infer).__name__}")
 
 
@@ -315,6 +205,7 @@ def allgather_swap(
     engine: Any = None,
     pool: Any = None,
     gather: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Swap:
     """Fill the inference weights from the training shards and swap the training weights out.
 
@@ -327,43 +218,40 @@ def allgather_swap(
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
     collective elsewhere (NCCL/HCCL).
+    ``timeout``: seconds for the whole switch; every wait inside it gets the time that is left.
     """
     import torch
-    import torch.distributed as dist
 
-    if plan._active is not None:
-        raise SwapStateError(
-            "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
-        )
     t_start = time.perf_counter()
-    _check_groups(plan, groups)  # a wrong group is rejected here, before it is used for anything
-    params = _normalize_params(train_params)
-    local_error: Exception | None = None
-    try:
-        stage = _group_rank(groups.get("pp"))
-        _check_params(plan, params, stage)
-        if infer_rank is None:
-            infer_rank = (dist.get_rank() if dist.is_initialized() else 0) % plan.infer.tp
-        flat, views = _infer_flat(plan, infer, infer_rank)
-        modes = {k: _gather_mode(gather, groups.get(k)) for k in ("tp", "ep")}
-        buckets = plan.buckets(bucket_bytes)
-        cplans = plan.native_plans(bucket_bytes, infer_rank)
-    except Exception as e:
-        local_error = e
-    # every rank of the groups agrees before the first collective: one rank's bad input must not leave the
-    # others blocked in an all-gather
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    if not _agree(local_error is None, groups, device):
-        if local_error is not None:
-            raise local_error
-        raise ReshardError(
-            "another rank of the training groups rejected this switch (see its error); nothing was done here"
-        )
-    if local_error is not None:
-        raise local_error
-    assert infer_rank is not None
+    target: list[Any] = []
+
+    def check(params: dict[str, Any], rank: int) -> None:
+        if plan._active is not None:
+            raise SwapStateError(
+                "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
+            )
+        target.extend(_infer_flat(plan, infer, rank))
+
+    if infer_rank is None:  # a buffer from allocate_inference(r) carries its rank
+        infer_rank = _buffer_rank(infer)
+    prep = prepare(
+        "allgather_swap",
+        train_params,
+        plan,
+        groups,
+        infer_rank=infer_rank,
+        bucket_bytes=bucket_bytes,
+        gather=gather,
+        timeout=timeout,
+        settings=(bool(swap), bool(verify)),
+        extra_check=check,
+    )
+    flat, views = target
+    params, device, deadline = prep.params, prep.device, prep.deadline
     engine = engine or _default_engine()
-    cur_stream = _current_stream(device)
+    cur_stream = current_stream(device)
+    buckets = plan.buckets(bucket_bytes)
+    cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
 
     # unique training storages (params may share a contiguous buffer)
     storages: list[tuple[str, Any, int, Any]] = []
@@ -377,99 +265,58 @@ def allgather_swap(
     meter = _Meter()
     meter.add(train_bytes)
     meter.add(flat.numel())
+    scratch_nb = scratch_bytes(buckets, prep.modes)
     tele: dict[str, Any] = {
         "layout": plan.layout,
-        "infer_rank": infer_rank,
+        "infer_rank": prep.infer_rank,
         "buckets": len(buckets),
         "train_bytes": train_bytes,
         "infer_bytes": int(flat.numel()),
         "descriptors": int(sum(len(c) for c in cplans if c is not None)),
+        "gather": prep.modes["tp"] if plan.train.tp > 1 else prep.modes["ep"],
+        "bucket_bytes": bucket_bytes,  # requested bytes per member and bucket
+        "scratch_bytes": scratch_nb,  # the one-bucket gather scratch actually allocated
     }
-    my_buckets = [b for b in buckets if b.stage == stage]
-    tele["gather"] = modes["tp"] if plan.train.tp > 1 else modes["ep"]
-    scratch_bytes = max(
-        (b.gathered_bytes + (b.local_bytes if b.members > 1 and modes[b.group] == "all_gather" else 0))
-        for b in buckets
-    )
-    tele["bucket_bytes"] = bucket_bytes  # requested bytes per member and bucket
-    tele["scratch_bytes"] = scratch_bytes  # the one-bucket gather scratch actually allocated
-    pp_group = groups.get("pp")
-    t_gather = t_copy = t_pack = 0.0
-    gathered_total = 0
+    gatherer = Gatherer(prep, groups)
+    t_copy = 0.0
     cur = None
-    scratch = send = None
+    scratch = None
     try:
-        scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-        meter.add(scratch_bytes)
+        scratch = torch.empty(scratch_nb, dtype=torch.uint8, device=device)
+        meter.add(scratch_nb)
         for b, cp in zip(buckets, cplans):
             cur = b
-            gb = b.gathered_bytes
-            t0 = time.perf_counter()
-            if b.stage == stage:
-                gathered = scratch[:gb]
-                g = groups.get(b.group)
-                me = _group_rank(g)
-                if b.members > 1 and modes[b.group] == "all_gather":
-                    send = scratch[gb : gb + b.local_bytes]
-                else:  # p2p (or a group of one): pack straight into this member's slot of the gathered bucket
-                    send = scratch[me * b.local_bytes : (me + 1) * b.local_bytes]
-                dst_views = [
-                    send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params
-                ]
-                srcs = [
-                    params[name].view(shape[0], -1)[r0:r1].reshape(-1)
-                    for name, shape, _, _, r0, r1 in b.params
-                ]
-                torch._foreach_copy_(dst_views, srcs)
-                t_pack += time.perf_counter() - t0
-                if b.members > 1:
-                    if modes[b.group] == "all_gather":
-                        _all_gather_single(gathered, send, group=g)
-                    else:
-                        _exchange(gathered, b.local_bytes, me, b.members, g)
-                    gathered_total += gb - b.local_bytes
-            else:
-                gathered = scratch[:gb]
-            if pp_group is not None:
-                dist.broadcast(gathered, src=dist.get_global_rank(pp_group, b.stage), group=pp_group)
-                if b.stage != stage:
-                    gathered_total += gb
+            gathered = gatherer.gather(b, scratch)
             t1 = time.perf_counter()
             if cp is not None:
                 # ordered after the gather/pack queued on the caller's current stream (GPU); host: no-op
-                engine.execute(cp, flat, scratch, after=cur_stream).wait(60.0)
+                engine.execute(cp, flat, gathered, after=cur_stream).wait(deadline.left())
             t_copy += time.perf_counter() - t1
-            t_gather += t1 - t0
         cur = None
     except Exception as e:
-        what = (
-            f"bucket {cur.index} (stage {cur.stage}, params {', '.join(cur.names[:4])}"
-            + ("...)" if len(cur.names) > 4 else ")")
-            if cur
-            else "setup"
-        )
         raise ReshardError(
-            f"allgather_swap failed in {what}: {type(e).__name__}: {e}; training weights untouched"
+            f"allgather_swap failed in {bucket_label(cur)}: {type(e).__name__}: {e}; "
+            "training weights untouched"
         ) from e
     finally:
-        del scratch, send
-    meter.sub(scratch_bytes)
+        del scratch
+    meter.sub(scratch_nb)
     tele.update(
-        bytes_gathered=gathered_total,
-        pack_s=t_pack,
-        gather_s=t_gather - t_pack,
+        bytes_gathered=gatherer.received,
+        pack_s=gatherer.pack_s,
+        gather_s=gatherer.exchange_s,
         copy_s=t_copy,
-        my_buckets=len(my_buckets),
+        my_buckets=sum(1 for b in buckets if b.stage == prep.stage),
     )
     tele["bytes_copied"] = int(sum(c.bytes for c in cplans if c is not None))
 
     crcs: dict[str, int] = {}
     if verify:
-        ref = naive_reshard(params, plan, groups, infer_rank)[0]
+        ref = naive_reshard(params, plan, groups, prep.infer_rank)[0]
         for n, v in views.items():
             if n not in ref or not torch.equal(v, ref[n].to(v.device)):
                 raise ReshardError(f"verify: inference tensor {n!r} differs from the reference reshard")
-        crcs = {n: _crc(_bytes_view(st, dev)) for n, st, _, dev in storages}
+        crcs = {n: _crc(bytes_view(st, dev)) for n, st, _, dev in storages}
         tele["verified_infer"] = True
 
     mirrors = plan.mirrors
@@ -489,10 +336,10 @@ def allgather_swap(
             # every storage in one job: one submission and one ticket, however many parameters
             engine.copy_many(
                 [torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nb) for n, _, nb, _ in storages],
-                [_bytes_view(st, dev) for _, st, _, dev in storages],
+                [bytes_view(st, dev) for _, st, _, dev in storages],
                 kind="d2h",
                 after=cur_stream,
-            ).wait(60.0)
+            ).wait(deadline.left())
             t_copied = time.perf_counter()
             for n, st, nbytes, dev in storages:
                 at = n
@@ -503,8 +350,8 @@ def allgather_swap(
             for n, st, nbytes, dev in done:  # restore what was freed
                 st.resize_(nbytes)
                 engine.copy(
-                    _bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
-                ).wait(60.0)
+                    bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
+                ).wait(deadline.left())
             raise ReshardError(
                 f"swap-out failed at parameter {at!r}: {type(e).__name__}: {e}; training weights restored"
             ) from e
@@ -538,17 +385,17 @@ def naive_reshard(train_params: Any, plan: ReshardPlan, groups: Mapping[str, Any
 
     from . import reference
 
-    params = _normalize_params(train_params)
+    params = normalize_params(train_params)
     tr = plan.train
-    stage = _group_rank(groups.get("pp"))
-    tp_rank, ep_rank = _group_rank(groups.get("tp")), _group_rank(groups.get("ep"))
+    stage = group_rank(groups.get("pp"))
+    tp_rank, ep_rank = group_rank(groups.get("tp")), group_rank(groups.get("ep"))
     shards: dict[tuple[int, int, int], dict[str, Any]] = {}
     for s in range(tr.pp):
         for name, shape, grp in plan.stage_params[s]:
             if s == stage:
                 p = params[name]
                 g = groups.get(grp)
-                n = _group_size(g)
+                n = group_size(g)
                 parts = [torch.empty_like(p) for _ in range(n)] if n > 1 else [p]
                 if n > 1:
                     dist.all_gather(parts, p.contiguous(), group=g)

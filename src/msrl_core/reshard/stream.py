@@ -1,0 +1,193 @@
+"""Streamed named buckets: the switch as an iterator of ``[(name, tensor), ...]`` buckets in HF names (full
+shapes) or vLLM per-rank names (``qkv_proj``, ``gate_up_proj``, ``w13_weight`` ...), so an engine's
+``load_weights`` (or SGLang-style ``update_weights_from_tensor``, or a trainer's own sender) consumes the
+switch bucket by bucket without the whole model materialised on any rank.
+
+Memory: one gather scratch (the largest gathered bucket, as in :func:`allgather_swap`) and one output scratch
+(the largest stream bucket: ``bucket_bytes`` of inference tensors, or one tensor when a single tensor is
+larger), both reused for every bucket. The yielded tensors are views into the output scratch: they are valid
+until the next bucket is requested; copy what must outlive that.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ReshardError
+from .plan import ReshardPlan, StreamBucket
+from .steps import (
+    DEFAULT_TIMEOUT,
+    Deadline,
+    Gatherer,
+    Prepared,
+    bucket_label,
+    current_stream,
+    prepare,
+    scratch_bytes,
+)
+
+__all__ = ["BucketStream", "StreamTelemetry", "stream_buckets"]
+
+
+@dataclass
+class StreamTelemetry:
+    """What one stream did. Bytes are on the training device unless named host."""
+
+    layout: str
+    infer_rank: int
+    buckets: int  # stream buckets yielded (when finished)
+    gather_buckets: int
+    gather_scratch_bytes: int  # the reused gather scratch
+    output_scratch_bytes: int  # the reused output bucket the yielded views live in
+    bytes_yielded: int = 0
+    bytes_gathered: int = 0  # received from other ranks
+    pack_s: float = 0.0
+    gather_s: float = 0.0
+    copy_s: float = 0.0
+    total_s: float = 0.0  # first to last bucket, the consumer's time between buckets included
+    finished: bool = False
+
+
+class BucketStream:
+    """Iterator of buckets ``[(name, tensor), ...]`` (see :func:`stream_buckets`). Every rank of the training
+    groups must consume it to the end (each bucket runs collectives); ``telemetry`` fills in as it goes."""
+
+    def __init__(
+        self,
+        plan: ReshardPlan,
+        groups: Mapping[str, Any],
+        prep: Prepared,
+        bucket_bytes: int,
+        engine: Any,
+        timeout: float,
+    ) -> None:
+        self.plan, self._groups, self._prep = plan, groups, prep
+        self._bucket_bytes, self._engine, self._timeout = bucket_bytes, engine, timeout
+        self.schedule: list[StreamBucket] = plan.stream_schedule(bucket_bytes, prep.infer_rank)[0]
+        self._buckets = plan.buckets(bucket_bytes)
+        self.telemetry = StreamTelemetry(
+            layout=plan.layout,
+            infer_rank=prep.infer_rank,
+            buckets=0,
+            gather_buckets=len(self._buckets),
+            gather_scratch_bytes=scratch_bytes(self._buckets, prep.modes),
+            output_scratch_bytes=max(sb.nbytes for sb in self.schedule),
+        )
+        self._gen = self._run()
+
+    def __iter__(self) -> Iterator[list[tuple[str, Any]]]:
+        return self
+
+    def __next__(self) -> list[tuple[str, Any]]:
+        return next(self._gen)
+
+    def __len__(self) -> int:
+        return len(self.schedule)
+
+    def _run(self) -> Iterator[list[tuple[str, Any]]]:
+        import torch
+
+        prep, tele = self._prep, self.telemetry
+        dtype = getattr(torch, self.plan.cfg.dtype)
+        es = self.plan.itemsize
+        cplans = self.plan.native_plans(self._bucket_bytes, prep.infer_rank, stream=True)
+        cur_stream = current_stream(prep.device)
+        gatherer = Gatherer(prep, self._groups)
+        t_start = time.perf_counter()
+        scratch = torch.empty(tele.gather_scratch_bytes, dtype=torch.uint8, device=prep.device)
+        out = torch.empty(tele.output_scratch_bytes, dtype=torch.uint8, device=prep.device)
+        for sb in self.schedule:
+            deadline = Deadline(self._timeout)  # per bucket: the consumer's time between buckets is its own
+            cur = None
+            try:
+                for off, nb in sb.zero:
+                    out[off : off + nb].zero_()
+                for k in sb.gather:
+                    cur = self._buckets[k]
+                    gathered = gatherer.gather(cur, scratch)
+                    t1 = time.perf_counter()
+                    if cplans[k] is not None:
+                        self._engine.execute(cplans[k], out, gathered, after=cur_stream).wait(deadline.left())
+                    tele.copy_s += time.perf_counter() - t1
+            except Exception as e:
+                raise ReshardError(
+                    f"stream_buckets failed in {bucket_label(cur)}: {type(e).__name__}: {e}; "
+                    "training weights untouched"
+                ) from e
+            tele.bytes_gathered, tele.pack_s, tele.gather_s = (
+                gatherer.received,
+                gatherer.pack_s,
+                gatherer.exchange_s,
+            )
+            tele.buckets += 1
+            tele.bytes_yielded += sum(int(_numel(shape)) * es for _, _, shape in sb.tensors)
+            tele.total_s = time.perf_counter() - t_start
+            yield [
+                (name, out[off : off + _numel(shape) * es].view(dtype).view(shape))
+                for name, off, shape in sb.tensors
+            ]
+        tele.finished = True
+        tele.total_s = time.perf_counter() - t_start
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def stream_buckets(
+    train_params: Any,
+    plan: ReshardPlan,
+    groups: Mapping[str, Any],
+    *,
+    names: str | None = None,
+    infer_rank: int | None = None,
+    bucket_bytes: int = 64 << 20,
+    gather: str = "auto",
+    engine: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> BucketStream:
+    """The switch as an iterator of named buckets: ``for b in stream_buckets(...): model.load_weights(b)``.
+
+    ``names``: ``"hf"`` (HF checkpoint names and full shapes; per-expert MoE tensors) or ``"vllm"`` (vLLM's
+    per-rank fused tensors of ``infer_rank``, the ``megatron_to_vllm`` plan); default: ``plan.layout``.
+    ``"hf"`` works from any plan; ``"vllm"`` needs a ``megatron_to_vllm`` plan (it holds the inference sizes).
+    ``infer_rank``: the inference TP rank whose slices to yield (default: global rank % TP_i).
+    ``bucket_bytes``: gather bytes per member and output bytes per yielded bucket (a tensor larger than it
+    is yielded in a bucket of its own). ``timeout``: seconds for each bucket's gather and copy.
+
+    The training weights are only read (no swap-out). Checks and the ranks' agreement run here, before
+    this returns; every rank of the training groups must then consume the iterator to the end. The yielded
+    tensors are views into one reused output scratch, valid until the next bucket is requested.
+    """
+    if names is None:
+        names = plan.layout
+    if names not in ("hf", "vllm"):
+        raise ReshardError(f"names must be 'hf' or 'vllm', got {names!r}")
+    if names == "vllm" and plan.layout != "vllm":
+        raise ReshardError(
+            "names='vllm' needs a megatron_to_vllm(cfg, train, infer) plan (it holds the inference TP/EP); "
+            f"got {plan!r}"
+        )
+    if names != plan.layout:
+        plan = plan.hf_plan()
+    prep = prepare(
+        "stream_buckets",
+        train_params,
+        plan,
+        groups,
+        infer_rank=infer_rank,
+        bucket_bytes=bucket_bytes,
+        gather=gather,
+        timeout=timeout,
+    )
+    if engine is None:
+        from .swap import _default_engine
+
+        engine = _default_engine()
+    return BucketStream(plan, groups, prep, bucket_bytes, engine, timeout)
