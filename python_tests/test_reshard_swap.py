@@ -14,6 +14,7 @@ from msrl_core.reshard import (
     ReshardError,
     SwapStateError,
     allgather_swap,
+    default_switcher,
     megatron_to_vllm,
     naive_reshard,
     reference,
@@ -74,13 +75,13 @@ def test_pinned_mirrors_are_allocated_once_and_reused(setup):
     flat, _ = plan.allocate_inference()
     pool = msrl_core.PinnedPool()
     allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool).swap_back().wait()
-    mirrors = dict(plan.mirrors)
+    mirrors = dict(default_switcher(plan).mirrors)
     in_use = pool.stats()["in_use"]
     for _ in range(3):
         allgather_swap(
             params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool
         ).swap_back().wait()
-    assert all(plan.mirrors[k] is m for k, m in mirrors.items())
+    assert all(default_switcher(plan).mirrors[k] is m for k, m in mirrors.items())
     assert pool.stats()["in_use"] == in_use
     assert intact(params, snap)
 
@@ -95,7 +96,7 @@ def test_verify_mode_checks_inference_and_training(setup):
     # a corrupted host mirror is caught after the swap back, naming the parameter
     s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, verify=True)
     name = next(iter(params))
-    torch.frombuffer(plan.mirrors[name], dtype=torch.uint8)[0] ^= 0xFF
+    torch.frombuffer(default_switcher(plan).mirrors[name], dtype=torch.uint8)[0] ^= 0xFF
     with pytest.raises(ReshardError, match=name.replace(".", r"\.")):
         s.swap_back().wait()
 
@@ -143,7 +144,7 @@ def test_bad_parameter_set_names_the_parameter_and_leaves_weights_intact(setup, 
         allgather_swap(bad, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
     assert needle in str(ei.value)
     assert intact(params, snap)
-    assert plan._active is None
+    assert default_switcher(plan).active is None
 
 
 def test_unknown_gather_mode_is_rejected(setup):
@@ -191,7 +192,7 @@ def test_failure_mid_switch_names_the_bucket_and_keeps_training_weights(setup):
     flat, _ = plan.allocate_inference()
     with pytest.raises(ReshardError, match=r"bucket 2 .*injected copy failure.*untouched"):
         allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingEngine(3))
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     # and the next switch works
     allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0).swap_back().wait()
     assert intact(params, snap)
@@ -215,7 +216,7 @@ def test_failure_of_the_swap_out_copies_leaves_training_weights(setup):
         allgather_swap(
             params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(1)
         )
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     assert all(p.untyped_storage().nbytes() > 0 for p in params.values())
 
 
@@ -226,7 +227,7 @@ def test_failure_while_freeing_restores_the_storages_already_freed(setup):
     params[fifth].numpy()  # a storage shared with numpy can no longer be resized: freeing it fails
     with pytest.raises(ReshardError, match=f"swap-out failed at parameter '{fifth}'.*restored"):
         allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     assert all(p.untyped_storage().nbytes() > 0 for p in params.values())  # the first four came back
 
 
