@@ -387,7 +387,7 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     plan = to_hf(cfg, train)
     flat, views = plan.allocate_inference()
     swap = msrl_core.allgather_swap(
-        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10)
+        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10), measure=True
     )
     res["hf_telemetry"] = {k: v for k, v in swap.telemetry.items() if isinstance(v, (int, float, str, bool))}
     res["freed_all"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
@@ -417,7 +417,14 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         vplan = megatron_to_vllm(cfg, train, Parallel(tp=ti, ep=case.get("vllm_ep", 1)))
         vflat, vviews = vplan.allocate_inference(infer_rank=rank % ti)
         vs = msrl_core.allgather_swap(
-            model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True, gather=case.get("gather", "auto")
+            model,
+            vflat,
+            vplan,
+            groups,
+            bucket_bytes=16 << 10,
+            verify=True,
+            gather=case.get("gather", "auto"),
+            measure=True,
         )
         exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
         res["vllm_names_equal"] = sorted(exp) == sorted(vviews)

@@ -339,3 +339,72 @@ def test_half_precision_switch(dtype):
     assert all(views[k].dtype == getattr(torch, dtype) and torch.equal(views[k], exp[k]) for k in exp)
     s.swap_back().wait()
     assert intact(params, snap)
+
+
+class _CopyingEngine(_FailingEngine):
+    """A real engine that makes one extra temporary copy of every gathered bucket (the kind of regression the
+    measured peak must catch)."""
+
+    def __init__(self):
+        super().__init__(fail_at=-1)
+
+    def execute(self, plan, dst, src, **k):
+        extra = src.clone()
+        return self.e.execute(plan, dst, extra, **k)
+
+
+ALLOWANCE = 4 << 10  # bytes of small torch temporaries allowed above the bound (measured here: 0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_measured_peak_is_shard_plus_inference_plus_buckets(pipeline):
+    """The switch's allocations are measured (a dispatch-mode tally of every storage torch allocates, not a
+    sum in the code): measured peak <= shard + inference + one bucket (two when pipelined) + 4 KiB. The
+    pinned mirrors are host bytes, reported apart (mirror_new_bytes: the whole shard on the first switch)."""
+    cfg = CONFIGS["qwen2_gqa_bias"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
+    params = make_params(plan)
+    snap = snapshot(params)
+    flat, views = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, pipeline=pipeline)
+    t = s.telemetry
+    one = t.scratch_bytes // (2 if pipeline else 1)
+    assert one <= BUCKET + 64
+    assert t.measured_switch_bytes >= t.scratch_bytes  # the scratch is seen: the tally is not vacuous
+    assert t.measured_peak_bytes <= t.train_bytes + t.infer_bytes + (2 if pipeline else 1) * one + ALLOWANCE
+    assert t.mirror_new_bytes == t.train_bytes and t.mirror_bytes == t.train_bytes and t.device_is_host
+    exp = reference.hf_to_vllm(
+        cfg, plan.infer, 0, reference.megatron_to_hf(cfg, plan.train, {(0, 0, 0): snap})
+    )
+    assert all(torch.equal(views[k], exp[k]) for k in exp)
+    s.swap_back().wait()
+    s2 = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, pipeline=pipeline)
+    assert s2.telemetry.mirror_new_bytes == 0  # mirrors persist in the plan's switcher
+    s2.swap_back().wait()
+    assert intact(params, snap)
+
+
+def test_an_extra_temporary_copy_breaks_the_measured_bound():
+    cfg = CONFIGS["qwen2_gqa_bias"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
+    params = make_params(plan)
+    flat, _ = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, engine=_CopyingEngine())
+    t = s.telemetry
+    s.swap_back().wait()
+    assert t.measured_peak_bytes > t.train_bytes + t.infer_bytes + t.scratch_bytes + ALLOWANCE
+
+
+def test_pipelined_switch_equals_the_plain_one():
+    cfg = CONFIGS["qwen3_moe"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=2, ep=2))
+    params = make_params(plan)
+    snap = snapshot(params)
+    outs = []
+    for pipeline in (False, True):
+        flat, views = plan.allocate_inference(1)
+        s = allgather_swap(params, flat, plan, {}, bucket_bytes=4 << 10, pipeline=pipeline)
+        assert s.telemetry.pipelined == pipeline and s.telemetry.buckets > 4
+        s.swap_back().wait()
+        outs.append(flat)
+    assert torch.equal(outs[0], outs[1]) and intact(params, snap)

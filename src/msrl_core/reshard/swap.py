@@ -368,23 +368,25 @@ class Switcher:
         tele = self._new_telemetry(prep, flat, storages, bucket_bytes, pipeline)
         meter = _Meter()
         meter.add(tele.train_bytes + tele.infer_bytes)
-        probe = MemoryProbe(prep.device)
-        with probe if measure else _nullcontext():
+        # measured: the reshard and the swap-out; not verify (a debugging mode that builds a full reference)
+        probes = [MemoryProbe(prep.device), MemoryProbe(prep.device)]
+        with probes[0] if measure else _nullcontext():
             self._reshard_buckets(prep, groups, flat, bucket_bytes, engine, pipeline, tele, meter, _fail)
-            crcs = None
-            local_error: Exception | None = None
-            try:
-                if verify:
-                    crcs = self._verify(prep, groups, views, storages, tele)
-                if swap:
+        crcs = None
+        local_error: Exception | None = None
+        try:
+            if verify:
+                crcs = self._verify(prep, groups, views, storages, tele)
+            if swap:
+                with probes[1] if measure else _nullcontext():
                     self._swap_out(prep, storages, engine, pool, tele, meter)
-            except Exception as e:
-                local_error = e
-            # agree after the swap-out too: all ranks swapped out, or all restore and raise
-            self._agree_swap_out(prep, groups, storages, engine, local_error, swap)
+        except Exception as e:
+            local_error = e
+        # agree after the swap-out too: all ranks swapped out, or all restore and raise
+        self._agree_swap_out(prep, groups, storages, engine, local_error, swap)
         if measure:
-            tele.measured_switch_bytes = probe.peak_bytes
-            tele.measured_peak_bytes = tele.train_bytes + tele.infer_bytes + probe.peak_bytes
+            tele.measured_switch_bytes = max(p.peak_bytes for p in probes)
+            tele.measured_peak_bytes = tele.train_bytes + tele.infer_bytes + tele.measured_switch_bytes
         tele.peak_bytes, tele.final_bytes = meter.peak, meter.cur
         tele.mirror_bytes = self.mirror_bytes
         tele.pool_reserved_bytes = int(pool.stats()["reserved"]) if swap else 0
