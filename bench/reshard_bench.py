@@ -155,8 +155,17 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False, pipeline=True
         )
 
-    t_pl, _ = _timed(pipelined, args.reps, dist)
-    t_np, _ = _timed(bucketed, args.reps, dist)  # re-timed next to it: the machine drifts
+    # interleaved (plain, pipelined) pairs, so drift on the shared machine hits both alike
+    pipelined()
+    bucketed()
+    t_pls, t_nps = [], []
+    for _ in range(args.reps):
+        for fn, acc in ((bucketed, t_nps), (pipelined, t_pls)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    t_pl, t_np = statistics.median(t_pls), statistics.median(t_nps)
     flat.zero_()
     pipelined()
     ok_p = all(torch.equal(views[k], ref[k]) for k in ref)

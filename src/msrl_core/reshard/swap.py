@@ -25,6 +25,7 @@ from typing import Any
 from .errors import ReshardError, SwapStateError, SwitchAborted
 from .guard import ReadGuard
 from .memory import MemoryProbe
+from .mirrors import HostMirrors, Storage, unique_storages
 from .plan import INFER_RANK_ATTR, Bucket, ReshardPlan, views_of
 from .steps import (
     DEFAULT_TIMEOUT,
@@ -131,26 +132,6 @@ class _Meter:
         self.cur -= n
 
 
-@dataclass(frozen=True)
-class _Storage:
-    name: str  # the first parameter on this storage
-    storage: Any
-    nbytes: int
-    device: Any
-
-
-def _unique_storages(params: dict[str, Any]) -> list[_Storage]:
-    """One entry per training storage (parameters may share a contiguous buffer)."""
-    out: list[_Storage] = []
-    seen: set[int] = set()
-    for n, p in params.items():
-        st = p.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            out.append(_Storage(n, st, st.nbytes(), p.device))
-    return out
-
-
 def _buffer_rank(infer: Any) -> int | None:
     """The inference rank a buffer from ``plan.allocate_inference(r)`` was laid out for (None: unknown)."""
     t = infer if not isinstance(infer, Mapping) else next(iter(infer.values()), None)
@@ -202,7 +183,7 @@ class Swap:
     def __init__(
         self,
         switcher: Switcher,
-        storages: list[_Storage],
+        storages: list[Storage],
         engine: Any,
         infer_views: dict[str, Any],
         telemetry: SwapTelemetry,
@@ -287,8 +268,13 @@ class Switcher:
     def __init__(self, plan: ReshardPlan, *, engine: Any = None, pool: Any = None) -> None:
         self.plan = plan
         self._engine, self._pool = engine, pool
-        self.mirrors: dict[str, Any] = {}
+        self._host = HostMirrors(lambda: self.pool)
         self.active: Swap | None = None
+
+    @property
+    def mirrors(self) -> dict[str, Any]:
+        """The persistent pinned host mirrors, by parameter name."""
+        return self._host.mirrors
 
     @property
     def engine(self) -> Any:
@@ -308,7 +294,7 @@ class Switcher:
 
     @property
     def mirror_bytes(self) -> int:
-        return sum(int(m.nbytes) for m in self.mirrors.values())
+        return self._host.nbytes
 
     def stream(self, train_params: Any, groups: Mapping[str, Any], **kw: Any):
         from .stream import stream_buckets
@@ -364,7 +350,7 @@ class Switcher:
         flat, views = target
         engine = engine or self.engine
         pool = pool or self.pool
-        storages = _unique_storages(prep.params)
+        storages = unique_storages(prep.params)
         tele = self._new_telemetry(prep, flat, storages, bucket_bytes, pipeline)
         meter = _Meter()
         meter.add(tele.train_bytes + tele.infer_bytes)
@@ -533,45 +519,17 @@ class Switcher:
     def _swap_out(self, prep: Prepared, storages, engine, pool, tele: SwapTelemetry, meter: _Meter) -> None:
         """Copy every training storage to its pinned mirror (one batch), then free the storages. A failure
         restores what was already freed and raises."""
-        deadline = prep.deadline
-        cur_stream = current_stream(prep.device)
-        t0 = time.perf_counter()
-        done: list[_Storage] = []
-        at = storages[0].name
-        try:
-            for s in storages:
-                at = s.name
-                m = self.mirrors.get(s.name)
-                if m is None or m.nbytes < s.nbytes:
-                    self.mirrors[s.name] = pool.allocate(s.nbytes)
-                    tele.mirror_new_bytes += s.nbytes
-            t_copy0 = time.perf_counter()
-            at = "(all storages, one batch)"
-            # every storage in one job: one submission and one ticket, however many parameters
-            engine.copy_many(
-                [self._mirror(s) for s in storages],
-                [bytes_view(s.storage, s.device) for s in storages],
-                kind="d2h",
-                after=cur_stream,
-            ).wait(deadline.left())
-            t_copied = time.perf_counter()
-            for s in storages:
-                at = s.name
-                s.storage.resize_(0)
-                done.append(s)
-                meter.sub(s.nbytes)
-        except Exception as e:
-            if done:
-                self._copy_in(done, engine, None).wait(deadline.left())
-                for s in done:
-                    meter.add(s.nbytes)
-            raise ReshardError(
-                f"swap-out failed at parameter {at!r}: {type(e).__name__}: {e}; training weights restored"
-            ) from e
-        dt, dc = time.perf_counter() - t0, t_copied - t_copy0
+        stream = current_stream(prep.device)
+        r = self._host.swap_out(storages, engine, prep.deadline, stream, "parameter", pool)
+        meter.sub(tele.train_bytes)
         nb = tele.train_bytes
-        tele.swap_out_s, tele.swap_out_gbps = dt, nb / dt / 1e9 if dt > 0 else float("inf")
+        tele.mirror_new_bytes = r.new_bytes
+        tele.swap_out_s, tele.swap_out_gbps = (
+            r.seconds,
+            nb / r.seconds / 1e9 if r.seconds > 0 else float("inf"),
+        )
         # the device->host copies alone (swap_out_s adds mirror lookup and freeing the storages)
+        dc = r.copy_seconds
         tele.swap_out_copy_s, tele.swap_out_copy_gbps = dc, nb / dc / 1e9 if dc > 0 else float("inf")
         tele.freed_bytes = sum(s.nbytes for s in storages if s.storage.nbytes() == 0)
 
@@ -592,19 +550,8 @@ class Switcher:
             "error); the training weights are restored here"
         )
 
-    def _mirror(self, s: _Storage):
-        import torch
-
-        return torch.frombuffer(self.mirrors[s.name], dtype=torch.uint8, count=s.nbytes)
-
-    def _copy_in(self, storages: list[_Storage], engine: Any, stream: Any) -> Any:
-        """Re-materialise the storages and start the host→device copies (one batch); returns the ticket."""
-        dsts, srcs = [], []
-        for s in storages:
-            s.storage.resize_(s.nbytes)
-            dsts.append(bytes_view(s.storage, s.device))
-            srcs.append(self._mirror(s))
-        return engine.copy_many(dsts, srcs, kind="h2d", after=stream)
+    def _copy_in(self, storages: list[Storage], engine: Any, stream: Any) -> Any:
+        return self._host.copy_in(storages, engine, stream)
 
 
 class _nullcontext:
