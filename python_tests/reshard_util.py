@@ -126,30 +126,9 @@ GLOO_TIMEOUT_S = 40.0  # a case that leaves a rank blocked fails fast (gloo rais
 def spawn_cases(cases: list[str], world: int = 2, timeout: float = 300.0) -> list[dict]:
     """Run the case functions named ``cases`` (``case_<name>`` below) in ``world`` spawned processes over
     gloo, in order, in one spawn; returns per rank ``{name: result dict}`` (an exception is recorded)."""
-    import json
-    import os
-    import tempfile
-    import time
+    from megatron_harness import spawn
 
-    import torch.multiprocessing as mp
-
-    from megatron_harness import free_port
-
-    out = tempfile.mkdtemp(prefix="msrl_reshard_cases_")
-    ctx = mp.start_processes(
-        _case_main, args=(world, free_port(), cases, out), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=2.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"reshard case workers did not finish in {timeout} s")
-    res = []
-    for r in range(world):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            res.append(json.load(f))
-    return res
+    return spawn(_case_main, cases, world, timeout, "reshard case workers")
 
 
 def _case_main(rank: int, world: int, port: int, cases: list[str], out: str) -> None:

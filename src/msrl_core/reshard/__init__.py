@@ -4,6 +4,7 @@ of the training weights to pinned host memory. See docs/reshard.md."""
 from msrl_core.reshard.errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
 from msrl_core.reshard.layout import ModelConfig, Parallel
 from msrl_core.reshard.memory import MemoryProbe
+from msrl_core.reshard.offload import OffloadedState, OffloadTelemetry, TrainingStateOffload
 from msrl_core.reshard.plan import Bucket, ReshardPlan, StreamBucket, execute_numpy, megatron_to_vllm, to_hf
 from msrl_core.reshard.stream import BucketStream, StreamTelemetry, stream_buckets
 from msrl_core.reshard.swap import (
@@ -20,6 +21,8 @@ __all__ = [
     "BucketStream",
     "MemoryProbe",
     "ModelConfig",
+    "OffloadTelemetry",
+    "OffloadedState",
     "Parallel",
     "ReshardError",
     "ReshardPlan",
@@ -31,6 +34,7 @@ __all__ = [
     "SwitchAborted",
     "SwitchTimeout",
     "Switcher",
+    "TrainingStateOffload",
     "allgather_swap",
     "default_switcher",
     "execute_numpy",

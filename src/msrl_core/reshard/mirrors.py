@@ -13,6 +13,29 @@ from .errors import ReshardError
 from .steps import Deadline, bytes_view
 
 
+class EngineAndPool:
+    """The copy engine and pinned pool an owner uses: injected, or its own (created on first use)."""
+
+    def __init__(self, engine: Any = None, pool: Any = None) -> None:
+        self._engine, self._pool = engine, pool
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            from msrl_core import CopyEngine
+
+            self._engine = CopyEngine()
+        return self._engine
+
+    @property
+    def pool(self) -> Any:
+        if self._pool is None:
+            from msrl_core import PinnedPool
+
+            self._pool = PinnedPool()
+        return self._pool
+
+
 @dataclass(frozen=True)
 class Storage:
     """One device storage to swap: ``name`` is its key (the first tensor on it)."""

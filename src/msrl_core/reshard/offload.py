@@ -22,7 +22,7 @@ from typing import Any
 
 from .errors import ReshardError, SwapStateError
 from .guard import ReadGuard
-from .mirrors import HostMirrors, Storage, unique_storages
+from .mirrors import EngineAndPool, HostMirrors, Storage, unique_storages
 from .steps import DEFAULT_TIMEOUT, Deadline, current_stream
 
 __all__ = ["KINDS", "OffloadTelemetry", "OffloadedState", "TrainingStateOffload"]
@@ -135,7 +135,7 @@ class OffloadedState:
             self._owner.active = None
 
 
-class TrainingStateOffload:
+class TrainingStateOffload(EngineAndPool):
     """Owns the pinned mirrors of the training state (by kind and tensor), the copy engine and the pool
     (injected, or its own), and the :class:`OffloadedState` not yet swapped back."""
 
@@ -151,25 +151,9 @@ class TrainingStateOffload:
         self.kinds = tuple(
             k for k, on in zip(KINDS, (grads, optimizer_state, master_weights), strict=True) if on
         )
-        self._engine, self._pool = engine, pool
+        super().__init__(engine, pool)
         self._host = HostMirrors(lambda: self.pool)
         self.active: OffloadedState | None = None
-
-    @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            from msrl_core import CopyEngine
-
-            self._engine = CopyEngine()
-        return self._engine
-
-    @property
-    def pool(self) -> Any:
-        if self._pool is None:
-            from msrl_core import PinnedPool
-
-            self._pool = PinnedPool()
-        return self._pool
 
     def offload(
         self, model: Any, optimizer: Any = None, *, timeout: float = DEFAULT_TIMEOUT

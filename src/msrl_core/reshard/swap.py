@@ -25,7 +25,7 @@ from typing import Any
 from .errors import ReshardError, SwapStateError, SwitchAborted
 from .guard import ReadGuard
 from .memory import MemoryProbe
-from .mirrors import HostMirrors, Storage, unique_storages
+from .mirrors import EngineAndPool, HostMirrors, Storage, unique_storages
 from .plan import INFER_RANK_ATTR, Bucket, ReshardPlan, views_of
 from .steps import (
     DEFAULT_TIMEOUT,
@@ -259,15 +259,15 @@ class Swap:
             self.telemetry.verified_swap = True
 
 
-class Switcher:
+class Switcher(EngineAndPool):
     """Owns what outlives one switch of ``plan``: the persistent pinned host mirrors (by parameter name), the
     copy engine and pinned pool (injected, or its own), and the :class:`Swap` not yet swapped back.
 
     ``switch(...)`` is :func:`allgather_swap`; ``stream(...)`` is :func:`stream_buckets` on this engine."""
 
     def __init__(self, plan: ReshardPlan, *, engine: Any = None, pool: Any = None) -> None:
+        super().__init__(engine, pool)
         self.plan = plan
-        self._engine, self._pool = engine, pool
         self._host = HostMirrors(lambda: self.pool)
         self.active: Swap | None = None
 
@@ -275,22 +275,6 @@ class Switcher:
     def mirrors(self) -> dict[str, Any]:
         """The persistent pinned host mirrors, by parameter name."""
         return self._host.mirrors
-
-    @property
-    def engine(self) -> Any:
-        if self._engine is None:
-            from msrl_core import CopyEngine
-
-            self._engine = CopyEngine()
-        return self._engine
-
-    @property
-    def pool(self) -> Any:
-        if self._pool is None:
-            from msrl_core import PinnedPool
-
-            self._pool = PinnedPool()
-        return self._pool
 
     @property
     def mirror_bytes(self) -> int:
@@ -460,36 +444,41 @@ class Switcher:
                 fail(None)
         except Exception as e:
             failed = (buckets[0], e)
-        ok, _ = agree(failed is None, groups, prep.device, 0, deadline)  # the scratch exists everywhere
-        for k, b in enumerate(buckets if ok else []):
-            gathered, err = gatherer.gather(b, scratches[k % len(scratches)], deadline)
-            if err is not None:
-                failed = (b, err)
-            if pending is not None:
-                failed = failed or finish(pending)
-                pending = None
-            if failed is None and cplans[k] is not None:
-                t1 = time.perf_counter()
-                try:
-                    # ordered after the gather/pack queued on the caller's current stream (GPU); host: no-op
-                    ticket = engine.execute(cplans[k], flat, gathered, after=cur_stream)
-                    pending = (ticket, b)
-                except Exception as e:
-                    failed = (b, e)
-                t_copy += time.perf_counter() - t1
-                if pending is not None and not pipeline:
+        try:
+            ok, _ = agree(failed is None, groups, prep.device, 0, deadline)  # the scratch exists everywhere
+            for k, b in enumerate(buckets if ok else []):
+                gathered, err = gatherer.gather(b, scratches[k % len(scratches)], deadline)
+                if err is not None:
+                    failed = (b, err)
+                if pending is not None:
                     failed = failed or finish(pending)
                     pending = None
-            ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
-            if not ok:
-                break
-        else:
-            if pending is not None:
-                failed = failed or finish(pending)
-                pending = None
+                if failed is None and cplans[k] is not None:
+                    t1 = time.perf_counter()
+                    try:
+                        # ordered after the gather/pack queued on the caller's current stream (GPU)
+                        ticket = engine.execute(cplans[k], flat, gathered, after=cur_stream)
+                        pending = (ticket, b)
+                    except Exception as e:
+                        failed = (b, e)
+                    t_copy += time.perf_counter() - t1
+                    if pending is not None and not pipeline:
+                        failed = failed or finish(pending)
+                        pending = None
                 ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
-        if pending is not None:
-            finish(pending)  # never leave a copy running into a buffer the caller may free
+                if not ok:
+                    break
+            else:
+                if (
+                    pipeline and ok
+                ):  # every rank agrees once more on the last copy (whether or not it had one)
+                    if pending is not None:
+                        failed = failed or finish(pending)
+                        pending = None
+                    ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
+        finally:
+            if pending is not None:
+                finish(pending)  # never leave a copy running into a scratch that is about to be freed
         meter.sub(one * len(scratches))
         del scratches
         tele.bytes_gathered = gatherer.received
