@@ -418,6 +418,22 @@ def case_stream_oom(rank: int, world: int) -> dict:
     return res
 
 
+def case_bucket_bytes_auto_takes_the_smallest_choice(rank: int, world: int) -> dict:
+    """bucket_bytes="auto": each rank proposes from its own free memory; all use the smallest proposal."""
+    from msrl_core.reshard import allgather_swap, steps
+
+    plan, params, shards, groups = _tp2_setup()
+    flat, _ = plan.allocate_inference()
+    real = steps.auto_bucket_bytes
+    steps.auto_bucket_bytes = lambda device, members: (2 << 20) if rank == 0 else (1 << 20)
+    try:
+        s = allgather_swap(params, flat, plan, groups, "auto")
+    finally:
+        steps.auto_bucket_bytes = real
+    s.swap_back().wait()
+    return {"bucket_bytes": s.telemetry["bucket_bytes"], "intact": _intact(params, shards)}
+
+
 def case_timeout_for_the_whole_switch(rank: int, world: int) -> dict:
     """Rank 1 arrives 6 s late; rank 0's switch has timeout=2: it raises SwitchTimeout within ~2 s instead of
     waiting for gloo's own timeout. (Leaves the group unusable: run last.)"""

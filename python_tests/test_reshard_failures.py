@@ -26,6 +26,7 @@ CASES = [
     "oom_pack_all_gather_pipelined",
     "oom_copy_p2p_pipelined",
     "stream_oom",
+    "bucket_bytes_auto_takes_the_smallest_choice",
     "timeout_for_the_whole_switch",  # last: it leaves the group unusable
 ]
 # far below gloo's own timeout in the workers (ru.GLOO_TIMEOUT_S): an answer this fast did not wait for it
@@ -132,3 +133,8 @@ def test_one_timeout_bounds_the_whole_switch(results):
     assert 1.5 <= r0["elapsed_s"] < 10.0, r0  # timeout=2 s, not gloo's 40 s
     assert r1["raised"] in ("SwitchTimeout", "SwitchAborted") and r1["msrl"] and r1["elapsed_s"] < 10.0, r1
     assert r0["intact"] and r1["intact"]
+
+
+def test_bucket_bytes_auto_takes_the_smallest_choice_of_the_ranks(results):
+    for r in _ok(results, "bucket_bytes_auto_takes_the_smallest_choice"):
+        assert r["bucket_bytes"] == 1 << 20 and r["intact"]

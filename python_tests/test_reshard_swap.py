@@ -408,3 +408,22 @@ def test_pipelined_switch_equals_the_plain_one():
         s.swap_back().wait()
         outs.append(flat)
     assert torch.equal(outs[0], outs[1]) and intact(params, snap)
+
+
+def test_bucket_bytes_auto_is_chosen_from_free_memory(setup, monkeypatch):
+    from msrl_core.reshard import steps
+
+    plan, params, snap = setup
+    monkeypatch.setattr(steps, "auto_bucket_bytes", lambda device, members: 1 << 20)
+    flat, views = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes="auto")
+    assert s.telemetry.bucket_bytes == 1 << 20 and s.telemetry.buckets == len(plan.buckets(1 << 20))
+    ref = reference.megatron_to_hf(CFG, plan.train, {(0, 0, 0): snap})
+    s.swap_back().wait()
+    assert all(torch.equal(views[k], ref[k]) for k in ref) and intact(params, snap)
+    monkeypatch.undo()
+    b = steps.auto_bucket_bytes(torch.device("cpu"), 2)  # the real choice: whole MiB in [1, 256] MiB
+    assert 1 << 20 <= b <= 256 << 20 and b % (1 << 20) == 0
+    with pytest.raises(ReshardError, match="bucket_bytes must be a positive int or 'auto', got 'big'"):
+        allgather_swap(params, flat, plan, {}, bucket_bytes="big")
+    assert intact(params, snap)

@@ -80,16 +80,47 @@ def agree(
     ok: bool, groups: Mapping[str, Any], device, fingerprint: int = 0, deadline: Deadline | None = None
 ) -> tuple[bool, bool]:
     """MIN-all-reduce of the local verdict and MIN/MAX of a settings fingerprint over every distinct training
-    group (one 3-int all-reduce per group; sequential over the groups, so a verdict reaches every rank of
+    group (one small all-reduce per group; sequential over the groups, so a verdict reaches every rank of
     the TP x PP x EP grid). Returns ``(all ok, all fingerprints equal)``."""
+    ok, same, _ = agree_values(ok, groups, device, fingerprint, 0, deadline)
+    return ok, same
+
+
+def agree_values(
+    ok: bool, groups: Mapping[str, Any], device, fingerprint: int, propose: int, deadline: Deadline | None
+) -> tuple[bool, bool, int]:
+    """:func:`agree`, plus the minimum over the ranks of ``propose`` (in the same all-reduce)."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if ok else 0, fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    flag = torch.tensor(
+        [1 if ok else 0, fingerprint, -fingerprint, propose], dtype=torch.int64, device=device
+    )
     for g in training_groups(groups):
         _collective(partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=g, async_op=True), deadline)
     lo, hi = int(flag[1]), -int(flag[2])
-    return bool(flag[0].item()), lo == hi == fingerprint
+    return bool(flag[0].item()), lo == hi == fingerprint, int(flag[3])
+
+
+def auto_bucket_bytes(device: Any, members: int) -> int:
+    """``bucket_bytes="auto"``: 1/16 of the free memory of ``device`` (CUDA: ``mem_get_info``; host:
+    ``MemAvailable``) over the gather group's members, in whole MiB within [1, 256] MiB. A pipelined switch
+    (two scratches) then takes at most 1/8 of what was free."""
+    import torch
+
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        free = 1 << 30
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        free = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    b = free // 16 // max(1, members)
+    return int(min(256 << 20, max(1 << 20, b)) >> 20 << 20)
 
 
 def fingerprint(*settings: Any) -> int:
@@ -171,6 +202,7 @@ class Prepared:
     modes: dict[str, str]  # gather mode per group key ("tp", "ep")
     device: Any
     deadline: Deadline
+    bucket_bytes: int  # as passed, or the agreed minimum of the ranks' "auto" choices
 
 
 def prepare(
@@ -180,7 +212,7 @@ def prepare(
     groups: Mapping[str, Any],
     *,
     infer_rank: int | None,
-    bucket_bytes: int,
+    bucket_bytes: int | str,
     gather: str,
     timeout: float,
     settings: tuple = (),
@@ -189,9 +221,10 @@ def prepare(
     """Run every local check, then agree on the verdict and the settings across the training groups.
 
     ``settings`` are values every rank must pass alike (they enter the fingerprint with the plan, the
-    bucket size and the gather mode); ``extra_check(params, infer_rank)`` adds caller-specific checks. On
-    disagreement every rank raises: the rank with the bad input its own error, the others a
-    ``ReshardError`` saying another rank rejected the switch."""
+    bucket size and the gather mode); ``bucket_bytes="auto"``: every rank proposes
+    :func:`auto_bucket_bytes` and the smallest proposal is used; ``extra_check(params, infer_rank)`` adds
+    caller-specific checks. On disagreement every rank raises: the rank with the bad input its own error,
+    the others a ``ReshardError`` saying another rank rejected the switch."""
     import torch
     import torch.distributed as dist
 
@@ -204,8 +237,10 @@ def prepare(
         params = normalize_params(train_params)
         deadline = Deadline(timeout)
         check_groups(plan, groups)
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ReshardError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if bucket_bytes != "auto" and (
+            not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
+        ):
+            raise ReshardError(f"bucket_bytes must be a positive int or 'auto', got {bucket_bytes!r}")
         stage = group_rank(groups.get("pp"))
         check_params(plan, params, stage)
         if infer_rank is None:
@@ -219,8 +254,11 @@ def prepare(
         local_error = e
     device = next(iter(params.values())).device if params else torch.device("cpu")
     fp = fingerprint(what, repr(plan), bucket_bytes, gather, settings)
+    propose = 0
+    if bucket_bytes == "auto":
+        propose = auto_bucket_bytes(device, max(plan.train.tp, plan.train.ep))
     try:
-        ok, same = agree(local_error is None, groups, device, fp, deadline)
+        ok, same, chosen = agree_values(local_error is None, groups, device, fp, propose, deadline)
     except SwitchAborted:
         raise
     except Exception as e:  # the group itself is unusable (wrong object, destroyed, ...)
@@ -240,7 +278,9 @@ def prepare(
             f"bucket_bytes={bucket_bytes}, gather={gather!r}, settings={settings!r}"
         )
     assert infer_rank is not None and deadline is not None
-    return Prepared(params, stage, infer_rank, modes, device, deadline)
+    size = chosen if bucket_bytes == "auto" else bucket_bytes
+    assert isinstance(size, int)
+    return Prepared(params, stage, infer_rank, modes, device, deadline, size)
 
 
 def _collective(start: Callable[[], Any], deadline: Deadline | None) -> None:

@@ -156,7 +156,7 @@ def stream_buckets(
     *,
     names: str | None = None,
     infer_rank: int | None = None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int | str = 64 << 20,
     gather: str = "auto",
     engine: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
@@ -169,7 +169,8 @@ def stream_buckets(
     ``infer_rank``: the inference TP rank whose slices to yield (default: global rank % TP_i).
     ``engine``: the copy engine (default: that of ``default_switcher(plan)``).
     ``bucket_bytes``: gather bytes per member and output bytes per yielded bucket (a tensor larger than it
-    is yielded in a bucket of its own). ``timeout``: seconds for each bucket's gather and copy.
+    is yielded in a bucket of its own), or ``"auto"`` (from free device memory, as in ``allgather_swap``).
+    ``timeout``: seconds for each bucket's gather and copy.
 
     The training weights are only read (no swap-out). Checks and the ranks' agreement run here, before
     this returns; every rank of the training groups must then consume the iterator to the end. The yielded
@@ -201,4 +202,4 @@ def stream_buckets(
         from .swap import default_switcher
 
         engine = default_switcher(owner).engine
-    return BucketStream(plan, groups, prep, bucket_bytes, engine, timeout)
+    return BucketStream(plan, groups, prep, prep.bucket_bytes, engine, timeout)

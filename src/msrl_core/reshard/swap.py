@@ -291,7 +291,7 @@ class Switcher(EngineAndPool):
         train_params: Any,
         infer: Any,
         groups: Mapping[str, Any],
-        bucket_bytes: int = 64 << 20,
+        bucket_bytes: int | str = 64 << 20,
         *,
         infer_rank: int | None = None,
         swap: bool = True,
@@ -335,6 +335,7 @@ class Switcher(EngineAndPool):
         engine = engine or self.engine
         pool = pool or self.pool
         storages = unique_storages(prep.params)
+        bucket_bytes = prep.bucket_bytes
         tele = self._new_telemetry(prep, flat, storages, bucket_bytes, pipeline)
         meter = _Meter()
         meter.add(tele.train_bytes + tele.infer_bytes)
@@ -568,7 +569,7 @@ def allgather_swap(
     infer: Any,
     plan: ReshardPlan,
     groups: Mapping[str, Any],
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int | str = 64 << 20,
     *,
     infer_rank: int | None = None,
     swap: bool = True,
@@ -591,6 +592,8 @@ def allgather_swap(
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
     collective elsewhere (NCCL/HCCL).
+    ``bucket_bytes``: bytes per member and bucket, or ``"auto"``: chosen from free device memory (1/16 of
+    it over the group's members, 1-256 MiB, the smallest of the ranks' choices; ``telemetry.bucket_bytes``).
     ``pipeline``: gather bucket k+1 while the fused copy of bucket k runs (two gather scratches).
     ``measure``: measure the switch's allocations (``telemetry.measured_peak_bytes``, see ``memory.py``).
     ``timeout``: seconds for the whole switch; every wait inside it gets the time that is left.
