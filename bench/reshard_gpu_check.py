@@ -38,7 +38,6 @@ def main() -> None:
 
     from msrl_core.reshard import (
         MemoryProbe,
-        ModelConfig,
         Parallel,
         Switcher,
         megatron_to_vllm,
@@ -48,15 +47,9 @@ def main() -> None:
     )
 
     dev = torch.device(args.device)
-    cfg = ModelConfig(
-        "llama",
-        hidden_size=768,
-        num_layers=args.layers,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab_size=32000,
-    )
+    from reshard_bench import bench_model  # bench/ is on sys.path when this runs as a script
+
+    cfg = bench_model(args.layers)
     plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
     g = torch.Generator().manual_seed(0)
     params = {
