@@ -28,21 +28,26 @@ def free_port() -> int:
 
 def run(cases: list[dict], world: int = 2, timeout: float = 600.0) -> list[dict]:
     """Run ``cases`` in ``world`` spawned processes; returns per-rank ``{case_name: result}``."""
+    return spawn(_main, cases, world, timeout, "megatron workers")
+
+
+def spawn(main, cases: list, world: int, timeout: float, what: str) -> list[dict]:
+    """Spawn ``main(rank, world, port, cases, out_dir)`` in ``world`` processes once; each rank writes
+    ``rank{r}.json``. Returns the per-rank results; kills the workers past ``timeout``."""
+    import time
+
     import torch.multiprocessing as mp
 
     out = tempfile.mkdtemp(prefix="msrl_mg_")
-    port = free_port()
     ctx = mp.start_processes(
-        _main, args=(world, port, cases, out), nprocs=world, join=False, start_method="spawn"
+        main, args=(world, free_port(), cases, out), nprocs=world, join=False, start_method="spawn"
     )
-    import time
-
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5.0):
+    while not ctx.join(timeout=2.0):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError(f"megatron workers did not finish in {timeout} s")
+            raise TimeoutError(f"{what} did not finish in {timeout} s")
     res = []
     for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:
@@ -164,6 +169,60 @@ def load_hf(model, cfg, tensors: dict) -> None:
     assert not missing and not unexpected, (missing, unexpected)
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def hf_load_weights(model, cfg, bucket) -> None:
+    """A ``load_weights`` for a transformers 5 model fed HF checkpoint names bucket by bucket (per-expert MoE
+    tensors written into the fused ``gate_up_proj [E, 2F, H]`` / ``down_proj [E, H, F]``)."""
+    import re
+
+    import torch
+
+    with torch.no_grad():
+        for name, t in bucket:
+            m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+            if m is None:
+                model.get_parameter(name).copy_(t)
+                continue
+            head, e, which = m.group(1), int(m.group(2)), m.group(3)
+            if which == "down":
+                model.get_parameter(head + "down_proj")[e].copy_(t)
+            else:
+                f = t.shape[0]
+                lo = 0 if which == "gate" else f
+                model.get_parameter(head + "gate_up_proj")[e, lo : lo + f].copy_(t)
+
+
+def _stream_into_hf(model, plan, groups, cfg, tokens, ref_logits, bucket_bytes: int) -> dict:
+    """stream_buckets (HF names) loaded bucket by bucket into a fresh transformers model; logits vs Megatron's
+    and the measured peak of the stream against gather scratch + one output bucket."""
+    import torch
+
+    from msrl_core.reshard import stream_buckets
+    from msrl_core.reshard.memory import MemoryProbe
+
+    hf = hf_model(cfg)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n.endswith("self_attn.o_proj.bias"):  # Megatron's add_qkv_bias has no o_proj bias
+                p.zero_()
+    stream = stream_buckets(model, plan, groups, names="hf", bucket_bytes=bucket_bytes)
+    with MemoryProbe() as probe:
+        for bucket in stream:
+            hf_load_weights(hf, cfg, bucket)
+    t = stream.telemetry
+    res = {
+        "buckets": t.buckets,
+        "peak": probe.peak_bytes,
+        "scratch": t.gather_scratch_bytes + t.output_scratch_bytes,
+        "output_scratch": t.output_scratch_bytes,
+        "largest_tensor": max(int(v.numel()) * v.element_size() for v in hf.state_dict().values()),
+    }
+    if ref_logits is not None:
+        with torch.no_grad():
+            got = hf(tokens).logits
+        res["logits_max_abs_diff"] = float((got - ref_logits[..., : cfg.vocab_size]).abs().max())
+    return res
 
 
 def _build_megatron(cfg, tp: int, pp: int, ep: int):
@@ -333,7 +392,7 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     plan = to_hf(cfg, train)
     flat, views = plan.allocate_inference()
     swap = msrl_core.allgather_swap(
-        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10)
+        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10), measure=True
     )
     res["hf_telemetry"] = {k: v for k, v in swap.telemetry.items() if isinstance(v, (int, float, str, bool))}
     res["freed_all"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
@@ -354,6 +413,7 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     again = _megatron_logits(model, ps, tokens)
     if ref_logits is not None:
         res["forward_after_swap_back_equal"] = bool(torch.equal(again, ref_logits))
+    res["stream_hf"] = _stream_into_hf(model, plan, groups, cfg, tokens, ref_logits, 16 << 10)
 
     # vLLM layout, real distributed execution: infer tp = world (rank = infer rank), vs vLLM rules from HF
     if case.get("vllm_tp"):
@@ -362,7 +422,14 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         vplan = megatron_to_vllm(cfg, train, Parallel(tp=ti, ep=case.get("vllm_ep", 1)))
         vflat, vviews = vplan.allocate_inference(infer_rank=rank % ti)
         vs = msrl_core.allgather_swap(
-            model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True, gather=case.get("gather", "auto")
+            model,
+            vflat,
+            vplan,
+            groups,
+            bucket_bytes=16 << 10,
+            verify=True,
+            gather=case.get("gather", "auto"),
+            measure=True,
         )
         exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
         res["vllm_names_equal"] = sorted(exp) == sorted(vviews)
@@ -372,6 +439,13 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         }
         vs.swap_back().wait()
         res["vllm_restored_equal"] = _crcs(model) == before
+        got = {}
+        for bucket in msrl_core.reshard.stream_buckets(
+            model, vplan, groups, names="vllm", bucket_bytes=8 << 10
+        ):
+            got.update((n, t.clone()) for n, t in bucket)
+        res["stream_vllm_names_equal"] = sorted(got) == sorted(exp)
+        res["stream_vllm_mismatch"] = [n for n in exp if n in got and not torch.equal(exp[n], got[n])]
         # same run: naive path (per-parameter all_gather + torch slicing, everything kept)
         _, naive_bytes = naive_reshard(model, vplan, groups, infer_rank=rank % ti)
         res["naive_bytes_vllm"] = naive_bytes + int(vflat.numel())

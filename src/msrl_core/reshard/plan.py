@@ -17,9 +17,12 @@ from .errors import ReshardError
 from .layout import HFTensor, ModelConfig, Parallel, Target
 from .spec import check_infer, check_train, hf_targets, hf_tensors, megatron_stage_params, vllm_targets
 
-__all__ = ["Bucket", "ReshardPlan", "megatron_to_vllm", "to_hf", "execute_numpy"]
+__all__ = ["Bucket", "ReshardPlan", "StreamBucket", "megatron_to_vllm", "to_hf", "execute_numpy"]
 
 ALIGN = 64
+INFER_RANK_ATTR = (
+    "msrl_infer_rank"  # set on the buffer and views of allocate_inference(r): the rank they are for
+)
 
 
 def _align(n: int) -> int:
@@ -45,11 +48,28 @@ class Bucket:
         return list(dict.fromkeys(p[0] for p in self.params))
 
 
+@dataclass(frozen=True)
+class StreamBucket:
+    """One bucket of :func:`~msrl_core.reshard.stream_buckets`: the gather buckets it consumes and the named
+    inference tensors it yields, laid out from byte 0 of the stream's output scratch.
+
+    ``tensors``: ``(name, byte offset, shape)``; ``zero``: ``(byte offset, nbytes)`` of tensors the copies do
+    not cover completely (vLLM's zero vocab-padding rows), cleared before the copies since the scratch is
+    reused; ``nbytes``: the output bytes of this bucket."""
+
+    gather: tuple[int, ...]
+    tensors: tuple[tuple[str, int, tuple[int, ...]], ...]
+    zero: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
 class ReshardPlan:
     """Megatron (``train``) -> inference (``infer``) layout, ``layout`` = ``"vllm"`` or ``"hf"``.
 
-    Rank-independent until :meth:`bucket_descriptors` picks an inference rank; descriptor arrays and native
-    copy plans are built once per ``(bucket_bytes, infer_rank)`` and cached.
+    Immutable metadata: rank-independent until :meth:`bucket_descriptors` picks an inference rank;
+    descriptor arrays and native copy plans are built once per ``(bucket_bytes, infer_rank)`` and memoised
+    (pure functions of the plan). What a switch leaves behind (pinned mirrors, the swap not yet swapped
+    back) lives in a :class:`~msrl_core.reshard.Switcher`.
     """
 
     def __init__(self, cfg: ModelConfig, train: Parallel, infer: Parallel, layout: str) -> None:
@@ -64,12 +84,29 @@ class ReshardPlan:
         self._targets: dict[int, list[Target]] = {}
         self._buckets: dict[int, list[Bucket]] = {}
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._native: dict[tuple[int, int], list[Any]] = {}
-        self.mirrors: dict[str, Any] = {}  # persistent pinned host mirrors, by parameter name (see swap.py)
-        self._active: Any = None  # the Swap not yet swapped back
+        self._native: dict[tuple[int, int, bool], list[Any]] = {}
+        self._stream: dict[tuple[int, int], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._hf_plan: ReshardPlan | None = None
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False) and not name.startswith("_"):
+            raise AttributeError(
+                f"ReshardPlan is immutable (setting {name!r}); build a new plan, or keep switch state in a "
+                "Switcher"
+            )
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"ReshardPlan({self.cfg.arch}, train={self.train}, infer={self.infer}, layout={self.layout!r})"
+
+    def hf_plan(self) -> ReshardPlan:
+        """The plan of this model and training layout into the HF checkpoint layout (this one if it is)."""
+        if self.layout == "hf":
+            return self
+        if self._hf_plan is None:
+            self._hf_plan = ReshardPlan(self.cfg, self.train, Parallel(tp=1), "hf")
+        return self._hf_plan
 
     # -- parameters ------------------------------------------------------------------------------
     def train_shapes(self, stage: int) -> dict[str, tuple[int, ...]]:
@@ -108,12 +145,16 @@ class ReshardPlan:
         return out, off
 
     def allocate_inference(self, infer_rank: int = 0, device: Any = "cpu") -> tuple[Any, dict[str, Any]]:
-        """A zeroed flat buffer and the named views into it (what an engine would alias)."""
+        """A zeroed flat buffer and the named views into it (what an engine would alias). Both carry
+        ``infer_rank`` (attribute ``msrl_infer_rank``): a switch for another rank refuses them."""
         import torch
 
         layout, total = self.infer_layout(infer_rank)
         flat = torch.zeros(total, dtype=torch.uint8, device=device)
-        return flat, views_of(flat, layout, _torch_dtype(self.cfg.dtype))
+        views = views_of(flat, layout, _torch_dtype(self.cfg.dtype))
+        for t in (flat, *views.values()):
+            setattr(t, INFER_RANK_ATTR, infer_rank)
+        return flat, views
 
     # -- buckets ---------------------------------------------------------------------------------
     def buckets(self, bucket_bytes: int) -> list[Bucket]:
@@ -188,14 +229,96 @@ class ReshardPlan:
         self._descs[key] = out
         return out
 
-    def native_plans(self, bucket_bytes: int, infer_rank: int = 0) -> list[Any]:
+    def stream_schedule(
+        self, bucket_bytes: int, infer_rank: int = 0
+    ) -> tuple[list[StreamBucket], list[np.ndarray]]:
+        """Group the gather buckets into stream buckets that each yield whole inference tensors.
+
+        A tensor is complete after the last gather bucket that writes it; consecutive gather buckets whose
+        tensors overlap form one indivisible run, and runs are packed greedily until a stream bucket holds
+        ``bucket_bytes`` of output (a run larger than that is a stream bucket of its own). Returns the stream
+        buckets and, per gather bucket, its copy descriptors re-based onto its stream bucket's output
+        scratch."""
         key = (bucket_bytes, infer_rank)
+        if key in self._stream:
+            return self._stream[key]
+        descs = self.bucket_descriptors(bucket_bytes, infer_rank)
+        layout, _ = self.infer_layout(infer_rank)
+        names = list(layout)
+        offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
+        sizes = np.asarray([int(np.prod(layout[n][1])) * self.itemsize for n in names], dtype=np.int64)
+        nb = len(descs)
+        first = np.full(len(names), nb, dtype=np.int64)
+        last = np.full(len(names), -1, dtype=np.int64)
+        covered = np.zeros(len(names), dtype=np.int64)
+        which: list[np.ndarray] = []
+        for k, d in enumerate(descs):
+            t = np.searchsorted(offs, d[:, 1], side="right") - 1
+            which.append(t)
+            np.minimum.at(first, t, k)
+            np.maximum.at(last, t, k)
+            np.add.at(covered, t, d[:, 2] * d[:, 3])
+        # runs of gather buckets: a tensor written by buckets [first, last] ties them into one run
+        run_end = np.arange(nb)
+        for f, lst in zip(first, last):
+            if lst >= 0:
+                run_end[f] = max(run_end[f], lst)
+        runs: list[tuple[int, int]] = []
+        k = 0
+        while k < nb:
+            end, j = int(run_end[k]), k
+            while j <= end:
+                end = max(end, int(run_end[j]))
+                j += 1
+            runs.append((k, end))
+            k = end + 1
+        # tensors no copy writes (all-padding vocab shards) go with the first run
+        done_at = np.where(last >= 0, last, 0)
+        groups: list[list[tuple[int, int]]] = []
+        out_bytes: list[int] = []
+        for r in runs:
+            rb = int(sizes[(done_at >= r[0]) & (done_at <= r[1])].sum())
+            if groups and (out_bytes[-1] == 0 or (rb == 0 or out_bytes[-1] + rb <= bucket_bytes)):
+                groups[-1].append(r)
+                out_bytes[-1] += rb
+            else:
+                groups.append([r])
+                out_bytes.append(rb)
+        stream: list[StreamBucket] = []
+        rebased: list[np.ndarray] = [np.zeros((0, 6), np.int64)] * nb
+        for g in groups:
+            lo, hi = g[0][0], g[-1][1]
+            members = np.flatnonzero((done_at >= lo) & (done_at <= hi))
+            new_off, pos, tensors, zero = {}, 0, [], []
+            for i in members:
+                new_off[int(i)] = pos
+                tensors.append((names[i], pos, tuple(layout[names[i]][1])))
+                if covered[i] < sizes[i]:
+                    zero.append((pos, int(sizes[i])))
+                pos = _align(pos + int(sizes[i]))
+            for k in range(lo, hi + 1):
+                d = descs[k].copy()
+                if len(d):
+                    shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k]], dtype=np.int64)
+                    d[:, 1] += shift
+                rebased[k] = d
+            stream.append(StreamBucket(tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos))
+        self._stream[key] = (stream, rebased)
+        return self._stream[key]
+
+    def native_plans(self, bucket_bytes: int, infer_rank: int = 0, stream: bool = False) -> list[Any]:
+        """Per gather bucket the native ``CopyPlan`` (None where the bucket writes nothing here): into the
+        flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch."""
+        key = (bucket_bytes, infer_rank, stream)
         if key not in self._native:
             from msrl_core import CopyPlan
 
-            self._native[key] = [
-                CopyPlan(d) if len(d) else None for d in self.bucket_descriptors(bucket_bytes, infer_rank)
-            ]
+            descs = (
+                self.stream_schedule(bucket_bytes, infer_rank)[1]
+                if stream
+                else self.bucket_descriptors(bucket_bytes, infer_rank)
+            )
+            self._native[key] = [CopyPlan(d) if len(d) else None for d in descs]
         return self._native[key]
 
 

@@ -2,136 +2,110 @@
 per bucket into the flat inference buffer, swap-out of the training weights to persistent pinned host
 mirrors (storage freed, tensor objects kept), and the asynchronous swap back.
 
-Accounting: on every runtime the switch reports *accounted* device bytes: the live storages of the training
-parameters, the inference buffer and the gather scratch, summed at every step (``peak_bytes``). On CUDA
-``torch.cuda.max_memory_allocated`` is reported beside it (``cuda_peak_bytes``).
+One :class:`Switcher` per plan owns what outlives a switch: the pinned host mirrors, the copy engine and
+pinned pool it uses (injectable), and the state (the :class:`Swap` not yet swapped back). The switch runs as
+named steps (:meth:`Switcher.switch`): prepare and agree, reshard the buckets (a status agreement after
+every bucket), verify, swap out and agree again, guard the swapped-out parameters.
+
+Memory: ``SwapTelemetry`` separates device bytes (training shard, inference buffer, gather scratch) from host
+bytes (pinned mirrors, pool). ``peak_bytes`` is the accounted sum; ``measured_peak_bytes`` (``measure=True``)
+is measured: the allocations made during the switch (``torch.cuda.max_memory_allocated`` on CUDA, a tally of
+every storage torch allocates on the CPU, see ``memory.py``) on top of the shard and the inference buffer.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import ReshardError, SwapStateError
-from .plan import ReshardPlan, views_of
-from .spec import canonical_megatron_name
+from .errors import ReshardError, SwapStateError, SwitchAborted
+from .guard import ReadGuard
+from .memory import MemoryProbe
+from .mirrors import EngineAndPool, HostMirrors, Storage, unique_storages
+from .plan import INFER_RANK_ATTR, Bucket, ReshardPlan, views_of
+from .steps import (
+    DEFAULT_TIMEOUT,
+    Deadline,
+    Gatherer,
+    Prepared,
+    agree,
+    bucket_label,
+    bytes_view,
+    current_stream,
+    group_rank,
+    group_size,
+    normalize_params,
+    prepare,
+    scratch_bytes,
+)
 
-__all__ = ["Swap", "allgather_swap", "naive_reshard"]
-
-_POOL: Any = None
-_ENGINE: Any = None
-
-
-def _default_engine():
-    global _ENGINE
-    if _ENGINE is None:
-        from msrl_core import CopyEngine
-
-        _ENGINE = CopyEngine()
-    return _ENGINE
-
-
-def _default_pool():
-    global _POOL
-    if _POOL is None:
-        from msrl_core import PinnedPool
-
-        _POOL = PinnedPool()
-    return _POOL
+__all__ = ["Swap", "SwapTelemetry", "Switcher", "allgather_swap", "default_switcher", "naive_reshard"]
 
 
-def _group_size(g) -> int:
-    import torch.distributed as dist
+@dataclass
+class SwapTelemetry(Mapping):
+    """What one switch did. Also a read-only mapping (``t["freed_bytes"]``, ``dict(t)``).
 
-    return 1 if g is None else dist.get_world_size(group=g)
+    Device bytes are on the training device (on the host runtime that is host RAM: ``device_is_host``).
+    """
 
+    layout: str
+    infer_rank: int
+    gather: str
+    bucket_bytes: int  # requested bytes per member and bucket
+    buckets: int
+    my_buckets: int
+    descriptors: int
+    pipelined: bool
+    # device bytes
+    train_bytes: int
+    infer_bytes: int
+    scratch_bytes: int  # the gather scratch allocated: one bucket, two when pipelined
+    freed_bytes: int = 0
+    peak_bytes: int = 0  # accounted: live training storages + inference buffer + scratch, at every step
+    final_bytes: int = 0
+    measured_peak_bytes: int | None = None  # measure=True: shard + inference + measured switch allocations
+    measured_switch_bytes: int | None = None  # measure=True: the allocations alone (peak above the entry)
+    cuda_peak_bytes: int | None = None
+    device_is_host: bool = False
+    # host bytes
+    mirror_bytes: int = 0  # pinned mirrors held for this plan
+    mirror_new_bytes: int = 0  # pinned bytes this switch allocated (the first switch: the whole shard)
+    pool_reserved_bytes: int = 0
+    # traffic and time
+    bytes_gathered: int = 0
+    bytes_copied: int = 0
+    pack_s: float = 0.0
+    gather_s: float = 0.0
+    copy_s: float = 0.0
+    total_s: float = 0.0
+    swap_out_s: float = 0.0
+    swap_out_gbps: float = 0.0
+    swap_out_copy_s: float = 0.0
+    swap_out_copy_gbps: float = 0.0
+    swap_in_s: float = 0.0
+    swap_in_gbps: float = 0.0
+    verified_infer: bool = False
+    verified_swap: bool = False
 
-def _group_rank(g) -> int:
-    import torch.distributed as dist
+    def __getitem__(self, key: str) -> Any:
+        if key in self._names():
+            return getattr(self, key)
+        raise KeyError(key)
 
-    return 0 if g is None else dist.get_rank(group=g)
+    def __iter__(self) -> Iterator[str]:
+        yield from self._names()
 
+    def __len__(self) -> int:
+        return len(self._names())
 
-def _all_gather_single(out, inp, group) -> None:
-    import torch.distributed as dist
-
-    # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-def _current_stream(device) -> Any:
-    """The caller's current stream on ``device`` (CUDA / Ascend), None on the CPU."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device)
-    if device.type == "npu":  # pragma: no cover - torch_npu
-        return torch.npu.current_stream(device)  # type: ignore[attr-defined]
-    return None
-
-
-def _agree(ok: bool, groups: Mapping[str, Any], device) -> bool:
-    """MIN-all-reduce of the local verdict over each distinct training group (a few bytes)."""
-    import torch
-    import torch.distributed as dist
-
-    seen: list[Any] = []
-    for key in ("tp", "pp", "ep"):
-        g = groups.get(key)
-        if g is None or any(g is x for x in seen):
-            continue
-        seen.append(g)
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
-        ok = bool(flag.item())
-    return ok
-
-
-def _gather_mode(gather: str, group) -> str:
-    if gather not in ("auto", "all_gather", "p2p"):
-        raise ReshardError(f"gather must be 'auto', 'all_gather' or 'p2p', got {gather!r}")
-    if gather != "auto" or group is None:
-        return "all_gather" if gather == "auto" else gather
-    import torch.distributed as dist
-
-    return "p2p" if str(dist.get_backend(group)) == "gloo" else "all_gather"
-
-
-def _exchange(gathered, local_bytes: int, me: int, members: int, group) -> None:
-    """All-gather as pairwise exchange: send my slot to every peer, receive each peer's slot in place."""
-    import torch.distributed as dist
-
-    mine = gathered[me * local_bytes : (me + 1) * local_bytes]
-    ops = []
-    for k in range(1, members):  # staggered order so every pair posts matching operations
-        to, frm = (me + k) % members, (me - k) % members
-        ops.append(dist.P2POp(dist.isend, mine, dist.get_global_rank(group, to), group))
-        slot = gathered[frm * local_bytes : (frm + 1) * local_bytes]
-        ops.append(dist.P2POp(dist.irecv, slot, dist.get_global_rank(group, frm), group))
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-
-
-def _normalize_params(train_params) -> dict[str, Any]:
-    items = (
-        train_params.named_parameters() if hasattr(train_params, "named_parameters") else train_params.items()
-    )
-    out: dict[str, Any] = {}
-    for name, p in items:
-        n = name
-        while n.startswith("module."):
-            n = n[len("module.") :]
-        out[canonical_megatron_name(n)] = p
-    return out
-
-
-def _bytes_view(storage, device):
-    import torch
-
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
 
 def _crc(t) -> int:
@@ -154,127 +128,22 @@ class _Meter:
         self.cur -= n
 
 
-class Swap:
-    """Result of :func:`allgather_swap`. ``telemetry`` is a dict; ``swap_back(stream)`` starts the host→device
-    copies (asynchronous), ``wait()`` finishes them and orders the caller's stream after them."""
-
-    def __init__(self, plan, storages, mirrors, engine, infer_views, telemetry, verify, crcs) -> None:
-        self.plan = plan
-        self._storages = storages  # [(name, storage, nbytes, device)]
-        self._mirrors = mirrors
-        self._engine = engine
-        self.inference = infer_views
-        self.telemetry = telemetry
-        self._verify = verify
-        self._crcs = crcs
-        self._state = "swapped_out"
-        self._tickets: list[Any] = []
-        self._stream: Any = None
-        self._t0 = 0.0
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    def swap_back(self, stream: Any = None) -> Swap:
-        """Re-materialise the training storages and copy the host mirrors back, on the engine's H2D lane,
-        after work already queued on ``stream`` (default: the current stream of the weights' device).
-        Returns immediately; call :meth:`wait` before training."""
-        if self._state != "swapped_out":
-            raise SwapStateError(
-                f"swap_back called twice (state is {self._state!r}); the weights are already back"
-            )
-        import torch
-
-        if stream is None and self._storages:
-            # On a GPU the caching allocator may hand the re-materialised storages blocks that kernels
-            # still queued on the current stream are using: the copies must start after that work.
-            stream = _current_stream(self._storages[0][3])
-        self._t0 = time.perf_counter()
-        name = "(none)"
-        try:
-            dsts, srcs = [], []
-            for name, st, nbytes, device in self._storages:
-                st.resize_(nbytes)
-                dsts.append(_bytes_view(st, device))
-                srcs.append(torch.frombuffer(self._mirrors[name], dtype=torch.uint8, count=nbytes))
-            name = "(all storages, one batch)"
-            self._tickets.append(self._engine.copy_many(dsts, srcs, kind="h2d", after=stream))
-        except Exception as e:
-            raise ReshardError(f"swap_back failed at parameter {name!r}: {e}") from e
-        self._stream = stream
-        self._state = "swapping_in"
-        return self
-
-    def wait(self, timeout: float = 60.0) -> None:
-        if self._state == "swapped_out":
-            raise SwapStateError("wait() before swap_back(): nothing is in flight")
-        if self._state == "back":
-            return
-        for t in self._tickets:
-            t.wait(timeout)
-        if self._stream is not None and self._tickets:
-            self._engine.order_stream(self._tickets[-1], self._stream, timeout)
-        self._tickets.clear()
-        dt = time.perf_counter() - self._t0
-        nb = sum(s[2] for s in self._storages)
-        self.telemetry["swap_in_s"] = dt
-        self.telemetry["swap_in_gbps"] = nb / dt / 1e9 if dt > 0 else float("inf")
-        self._state = "back"
-        if self.plan._active is self:
-            self.plan._active = None
-        if self._verify:
-            for name, st, _, device in self._storages:
-                if _crc(_bytes_view(st, device)) != self._crcs[name]:
-                    raise ReshardError(f"verify: training storage of {name!r} differs after swap back")
-            self.telemetry["verified_swap"] = True
-
-
-def _check_groups(plan: ReshardPlan, groups: Mapping[str, Any]) -> None:
-    tr = plan.train
-    for key, want in (("tp", tr.tp), ("pp", tr.pp), ("ep", tr.ep)):
-        g = groups.get(key)
-        if g is None and want > 1:
-            raise ReshardError(f"groups[{key!r}] is missing; the plan needs a {key} group of size {want}")
-        have = _group_size(g)
-        if have != want:
-            raise ReshardError(f"groups[{key!r}] has size {have}, the plan's training {key} is {want}")
-
-
-def _check_params(plan: ReshardPlan, params: dict[str, Any], stage: int) -> None:
-    import torch
-
-    want = plan.train_shapes(stage)
-    missing = [n for n in want if n not in params]
-    extra = [n for n in params if n not in want]
-    if missing:
-        raise ReshardError(
-            f"missing training parameter {missing[0]!r} (stage {stage}; {len(missing)} missing)"
-        )
-    if extra:
-        raise ReshardError(
-            f"unexpected training parameter {extra[0]!r} (stage {stage}); not in the {plan.cfg.arch} layout"
-        )
-    dt = getattr(torch, plan.cfg.dtype)
-    for n, shape in want.items():
-        p = params[n]
-        if tuple(p.shape) != tuple(shape):
-            raise ReshardError(
-                f"training parameter {n!r} has shape {tuple(p.shape)}, the layout expects {tuple(shape)}"
-            )
-        if p.dtype != dt:
-            raise ReshardError(f"training parameter {n!r} has dtype {p.dtype}, the plan expects {dt}")
-        if p.untyped_storage().nbytes() == 0:
-            raise SwapStateError(
-                f"training parameter {n!r} has no storage: a previous allgather_swap was not swapped back"
-            )
-        if not p.is_contiguous():
-            raise ReshardError(f"training parameter {n!r} is not contiguous")
+def _buffer_rank(infer: Any) -> int | None:
+    """The inference rank a buffer from ``plan.allocate_inference(r)`` was laid out for (None: unknown)."""
+    t = infer if not isinstance(infer, Mapping) else next(iter(infer.values()), None)
+    return getattr(t, INFER_RANK_ATTR, None)
 
 
 def _infer_flat(plan: ReshardPlan, infer: Any, infer_rank: int):
     import torch
 
+    have = _buffer_rank(infer)
+    if have is not None and have != infer_rank:
+        raise ReshardError(
+            f"the inference buffer was allocated for infer_rank {have} (plan.allocate_inference({have})), "
+            f"but this switch fills infer_rank {infer_rank}: pass infer_rank={have} or allocate for "
+            f"{infer_rank}"
+        )
     layout, total = plan.infer_layout(infer_rank)
     if isinstance(infer, torch.Tensor):
         if infer.dtype != torch.uint8 or infer.numel() < total or not infer.is_contiguous():
@@ -298,8 +167,397 @@ def _infer_flat(plan: ReshardPlan, infer: Any, infer_rank: int):
                     f"inference tensor {n!r} is not the view at byte {off}, shape {tuple(shape)} of one flat "
                     "buffer; allocate with plan.allocate_inference()"
                 )
-        return _bytes_view(st, t0.device), dict(infer)
+        return bytes_view(st, t0.device), dict(infer)
     raise ReshardError(f"infer must be a flat uint8 tensor or a dict of views, got {type(infer).__name__}")
+
+
+class Swap:
+    """Result of a switch. ``telemetry`` is a :class:`SwapTelemetry`; ``swap_back(stream)`` starts the
+    host→device copies (asynchronous), ``wait()`` finishes them and orders the caller's stream after them.
+    ``state``: ``"swapped_out"`` → ``"swapping_in"`` → ``"back"``."""
+
+    def __init__(
+        self,
+        switcher: Switcher,
+        storages: list[Storage],
+        engine: Any,
+        infer_views: dict[str, Any],
+        telemetry: SwapTelemetry,
+        crcs: dict[str, int] | None,
+        guard: ReadGuard | None,
+        timeout: float,
+    ) -> None:
+        self.plan = switcher.plan
+        self._switcher = switcher
+        self._storages = storages
+        self._engine = engine
+        self.inference = infer_views
+        self.telemetry = telemetry
+        self._crcs = crcs
+        self._guard = guard
+        self._timeout = timeout
+        self._state = "swapped_out" if guard is not None else "back"
+        self._tickets: list[Any] = []
+        self._stream: Any = None
+        self._t0 = 0.0
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def swap_back(self, stream: Any = None) -> Swap:
+        """Re-materialise the training storages and copy the host mirrors back, on the engine's H2D lane,
+        after work already queued on ``stream`` (default: the current stream of the weights' device).
+        Returns immediately; call :meth:`wait` before training (the parameters stay unreadable until then)."""
+        if self._state != "swapped_out":
+            raise SwapStateError(
+                f"swap_back called twice (state is {self._state!r}); the weights are already back"
+            )
+        if stream is None and self._storages:
+            # On a GPU the caching allocator may hand the re-materialised storages blocks that kernels
+            # still queued on the current stream are using: the copies must start after that work.
+            stream = current_stream(self._storages[0].device)
+        self._t0 = time.perf_counter()
+        try:
+            self._tickets.append(self._switcher._copy_in(self._storages, self._engine, stream))
+        except Exception as e:
+            raise ReshardError(f"swap_back failed: {type(e).__name__}: {e}") from e
+        self._stream = stream
+        self._state = "swapping_in"
+        return self
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Finish the swap back (``timeout`` seconds, default: the switch's); then the parameters are
+        readable again. With ``verify=True`` the training storages are checked against their CRCs."""
+        if self._state == "swapped_out":
+            raise SwapStateError("wait() before swap_back(): nothing is in flight")
+        if self._state == "back":
+            return
+        deadline = Deadline(self._timeout if timeout is None else timeout)
+        for t in self._tickets:
+            t.wait(deadline.left())
+        if self._stream is not None and self._tickets:
+            self._engine.order_stream(self._tickets[-1], self._stream, deadline.left())
+        self._tickets.clear()
+        dt = time.perf_counter() - self._t0
+        nb = sum(s.nbytes for s in self._storages)
+        self.telemetry.swap_in_s = dt
+        self.telemetry.swap_in_gbps = nb / dt / 1e9 if dt > 0 else float("inf")
+        self._state = "back"
+        if self._guard is not None:
+            self._guard.remove()
+        if self._switcher.active is self:
+            self._switcher.active = None
+        if self._crcs is not None:
+            for s in self._storages:
+                if _crc(bytes_view(s.storage, s.device)) != self._crcs[s.name]:
+                    raise ReshardError(f"verify: training storage of {s.name!r} differs after swap back")
+            self.telemetry.verified_swap = True
+
+
+class Switcher(EngineAndPool):
+    """Owns what outlives one switch of ``plan``: the persistent pinned host mirrors (by parameter name), the
+    copy engine and pinned pool (injected, or its own), and the :class:`Swap` not yet swapped back.
+
+    ``switch(...)`` is :func:`allgather_swap`; ``stream(...)`` is :func:`stream_buckets` on this engine."""
+
+    def __init__(self, plan: ReshardPlan, *, engine: Any = None, pool: Any = None) -> None:
+        super().__init__(engine, pool)
+        self.plan = plan
+        self._host = HostMirrors(lambda: self.pool)
+        self.active: Swap | None = None
+
+    @property
+    def mirrors(self) -> dict[str, Any]:
+        """The persistent pinned host mirrors, by parameter name."""
+        return self._host.mirrors
+
+    @property
+    def mirror_bytes(self) -> int:
+        return self._host.nbytes
+
+    def stream(self, train_params: Any, groups: Mapping[str, Any], **kw: Any):
+        from .stream import stream_buckets
+
+        return stream_buckets(train_params, self.plan, groups, engine=self.engine, **kw)
+
+    # -- the switch, step by step --------------------------------------------------------------------
+    def switch(
+        self,
+        train_params: Any,
+        infer: Any,
+        groups: Mapping[str, Any],
+        bucket_bytes: int | str = 64 << 20,
+        *,
+        infer_rank: int | None = None,
+        swap: bool = True,
+        verify: bool = False,
+        gather: str = "auto",
+        pipeline: bool = False,
+        measure: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        engine: Any = None,
+        pool: Any = None,
+        _fail: Callable[[Bucket | None], None] | None = None,
+    ) -> Swap:
+        """See :func:`allgather_swap` (the same arguments; ``engine`` / ``pool`` override this switcher's for
+        one call)."""
+        t_start = time.perf_counter()
+        plan = self.plan
+        target: list[Any] = []
+
+        def check(params: dict[str, Any], rank: int) -> None:
+            if self.active is not None:
+                raise SwapStateError(
+                    "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
+                )
+            target.extend(_infer_flat(plan, infer, rank))
+
+        if infer_rank is None:  # a buffer from allocate_inference(r) carries its rank
+            infer_rank = _buffer_rank(infer)
+        prep = prepare(
+            "allgather_swap",
+            train_params,
+            plan,
+            groups,
+            infer_rank=infer_rank,
+            bucket_bytes=bucket_bytes,
+            gather=gather,
+            timeout=timeout,
+            settings=(bool(swap), bool(verify), bool(pipeline)),
+            extra_check=check,
+        )
+        flat, views = target
+        engine = engine or self.engine
+        pool = pool or self.pool
+        storages = unique_storages(prep.params)
+        bucket_bytes = prep.bucket_bytes
+        tele = self._new_telemetry(prep, flat, storages, bucket_bytes, pipeline)
+        meter = _Meter()
+        meter.add(tele.train_bytes + tele.infer_bytes)
+        # measured: the reshard and the swap-out; not verify (a debugging mode that builds a full reference)
+        probes = [MemoryProbe(prep.device), MemoryProbe(prep.device)]
+        with probes[0] if measure else _nullcontext():
+            self._reshard_buckets(prep, groups, flat, bucket_bytes, engine, pipeline, tele, meter, _fail)
+        crcs = None
+        local_error: Exception | None = None
+        try:
+            if verify:
+                crcs = self._verify(prep, groups, views, storages, tele)
+            if swap:
+                with probes[1] if measure else _nullcontext():
+                    self._swap_out(prep, storages, engine, pool, tele, meter)
+        except Exception as e:
+            local_error = e
+        # agree after the swap-out too: all ranks swapped out, or all restore and raise
+        self._agree_swap_out(prep, groups, storages, engine, local_error, swap)
+        if measure:
+            tele.measured_switch_bytes = max(p.peak_bytes for p in probes)
+            tele.measured_peak_bytes = tele.train_bytes + tele.infer_bytes + tele.measured_switch_bytes
+        tele.peak_bytes, tele.final_bytes = meter.peak, meter.cur
+        tele.mirror_bytes = self.mirror_bytes
+        tele.pool_reserved_bytes = int(pool.stats()["reserved"]) if swap else 0
+        tele.total_s = time.perf_counter() - t_start
+        if prep.device.type == "cuda":
+            import torch
+
+            tele.cuda_peak_bytes = int(torch.cuda.max_memory_allocated(prep.device))
+        guard = None
+        if swap:
+            guard = ReadGuard()
+            guard.install(prep.params)
+        s = Swap(self, storages, engine, views, tele, crcs, guard, timeout)
+        if swap:
+            self.active = s
+        return s
+
+    def _new_telemetry(
+        self, prep: Prepared, flat, storages, bucket_bytes: int, pipeline: bool
+    ) -> SwapTelemetry:
+        plan = self.plan
+        buckets = plan.buckets(bucket_bytes)
+        cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
+        return SwapTelemetry(
+            layout=plan.layout,
+            infer_rank=prep.infer_rank,
+            gather=prep.modes["tp"] if plan.train.tp > 1 else prep.modes["ep"],
+            bucket_bytes=bucket_bytes,
+            buckets=len(buckets),
+            my_buckets=sum(1 for b in buckets if b.stage == prep.stage),
+            descriptors=int(sum(len(c) for c in cplans if c is not None)),
+            pipelined=pipeline,
+            train_bytes=sum(s.nbytes for s in storages),
+            infer_bytes=int(flat.numel()),
+            scratch_bytes=scratch_bytes(buckets, prep.modes) * (2 if pipeline else 1),
+            device_is_host=prep.device.type == "cpu",
+            bytes_copied=int(sum(c.bytes for c in cplans if c is not None)),
+        )
+
+    def _reshard_buckets(
+        self,
+        prep: Prepared,
+        groups: Mapping[str, Any],
+        flat,
+        bucket_bytes: int,
+        engine: Any,
+        pipeline: bool,
+        tele: SwapTelemetry,
+        meter: _Meter,
+        fail: Callable[[Bucket | None], None] | None,
+    ) -> None:
+        """Gather every bucket and copy it into the inference buffer. After every bucket the ranks agree on
+        a status (one tiny all-reduce), so a failure on one rank at bucket k raises on every rank there.
+        ``pipeline``: two gather scratches; bucket k+1 is gathered while the fused copy of bucket k runs."""
+        import torch
+
+        plan, deadline = self.plan, prep.deadline
+        buckets = plan.buckets(bucket_bytes)
+        cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
+        cur_stream = current_stream(prep.device)
+        gatherer = Gatherer(prep, groups, fail)
+        one = tele.scratch_bytes // (2 if pipeline else 1)
+        scratches: list[Any] = []
+        pending: tuple[Any, Bucket] | None = None  # the copy in flight (pipelined)
+        t_copy = 0.0
+
+        def finish(p: tuple[Any, Bucket]) -> tuple[Bucket, Exception] | None:
+            nonlocal t_copy
+            t1 = time.perf_counter()
+            try:
+                p[0].wait(deadline.left())
+            except Exception as e:
+                return p[1], e
+            finally:
+                t_copy += time.perf_counter() - t1
+            return None
+
+        failed: tuple[Bucket, Exception] | None = None
+        b: Bucket | None = None
+        try:
+            for _ in range(2 if pipeline else 1):
+                scratches.append(torch.empty(one, dtype=torch.uint8, device=prep.device))
+                meter.add(one)
+            if fail is not None:
+                fail(None)
+        except Exception as e:
+            failed = (buckets[0], e)
+        try:
+            ok, _ = agree(failed is None, groups, prep.device, 0, deadline)  # the scratch exists everywhere
+            for k, b in enumerate(buckets if ok else []):
+                gathered, err = gatherer.gather(b, scratches[k % len(scratches)], deadline)
+                if err is not None:
+                    failed = (b, err)
+                if pending is not None:
+                    failed = failed or finish(pending)
+                    pending = None
+                if failed is None and cplans[k] is not None:
+                    t1 = time.perf_counter()
+                    try:
+                        # ordered after the gather/pack queued on the caller's current stream (GPU)
+                        ticket = engine.execute(cplans[k], flat, gathered, after=cur_stream)
+                        pending = (ticket, b)
+                    except Exception as e:
+                        failed = (b, e)
+                    t_copy += time.perf_counter() - t1
+                    if pending is not None and not pipeline:
+                        failed = failed or finish(pending)
+                        pending = None
+                ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
+                if not ok:
+                    break
+            else:
+                if (
+                    pipeline and ok
+                ):  # every rank agrees once more on the last copy (whether or not it had one)
+                    if pending is not None:
+                        failed = failed or finish(pending)
+                        pending = None
+                    ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
+        finally:
+            if pending is not None:
+                finish(pending)  # never leave a copy running into a scratch that is about to be freed
+        meter.sub(one * len(scratches))
+        del scratches
+        tele.bytes_gathered = gatherer.received
+        tele.pack_s, tele.gather_s, tele.copy_s = gatherer.pack_s, gatherer.exchange_s, t_copy
+        if failed is not None:
+            fb, err = failed
+            raise SwitchAborted(
+                f"allgather_swap failed in {bucket_label(fb)} of {len(buckets)} on this rank: "
+                f"{type(err).__name__}: {err}; training weights untouched on every rank"
+            ) from err
+        if not ok:
+            raise SwitchAborted(
+                f"allgather_swap aborted at {bucket_label(b)} of {len(buckets)}: another rank of the "
+                "training groups failed there (see its error); training weights untouched on every rank"
+            )
+
+    def _verify(self, prep: Prepared, groups, views, storages, tele: SwapTelemetry) -> dict[str, int]:
+        import torch
+
+        ref = naive_reshard(prep.params, self.plan, groups, prep.infer_rank)[0]
+        for n, v in views.items():
+            if n not in ref or not torch.equal(v, ref[n].to(v.device)):
+                raise ReshardError(f"verify: inference tensor {n!r} differs from the reference reshard")
+        tele.verified_infer = True
+        return {s.name: _crc(bytes_view(s.storage, s.device)) for s in storages}
+
+    def _swap_out(self, prep: Prepared, storages, engine, pool, tele: SwapTelemetry, meter: _Meter) -> None:
+        """Copy every training storage to its pinned mirror (one batch), then free the storages. A failure
+        restores what was already freed and raises."""
+        stream = current_stream(prep.device)
+        r = self._host.swap_out(storages, engine, prep.deadline, stream, "parameter", pool)
+        meter.sub(tele.train_bytes)
+        nb = tele.train_bytes
+        tele.mirror_new_bytes = r.new_bytes
+        tele.swap_out_s, tele.swap_out_gbps = (
+            r.seconds,
+            nb / r.seconds / 1e9 if r.seconds > 0 else float("inf"),
+        )
+        # the device->host copies alone (swap_out_s adds mirror lookup and freeing the storages)
+        dc = r.copy_seconds
+        tele.swap_out_copy_s, tele.swap_out_copy_gbps = dc, nb / dc / 1e9 if dc > 0 else float("inf")
+        tele.freed_bytes = sum(s.nbytes for s in storages if s.storage.nbytes() == 0)
+
+    def _agree_swap_out(
+        self, prep, groups, storages, engine, local_error: Exception | None, swap: bool
+    ) -> None:
+        """After the swap-out every rank must be swapped out, or none: a rank whose swap-out (or verify)
+        failed has restored itself; the others restore here, and every rank raises."""
+        ok, _ = agree(local_error is None, groups, prep.device, 0, prep.deadline)
+        if ok:
+            return
+        if local_error is not None:
+            raise local_error
+        if swap:
+            self._copy_in(storages, engine, None).wait(prep.deadline.left())
+        raise SwitchAborted(
+            "allgather_swap: another rank of the training groups failed its verify or swap-out (see its "
+            "error); the training weights are restored here"
+        )
+
+    def _copy_in(self, storages: list[Storage], engine: Any, stream: Any) -> Any:
+        return self._host.copy_in(storages, engine, stream)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_DEFAULT_SWITCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def default_switcher(plan: ReshardPlan) -> Switcher:
+    """The :class:`Switcher` that :func:`allgather_swap` uses for ``plan`` when none is passed: created on
+    first use with its own engine and pool, kept while the plan lives. Pass ``switcher=`` to own one."""
+    sw = _DEFAULT_SWITCHERS.get(plan)
+    if sw is None:
+        sw = _DEFAULT_SWITCHERS[plan] = Switcher(plan)
+    return sw
 
 
 def allgather_swap(
@@ -307,7 +565,7 @@ def allgather_swap(
     infer: Any,
     plan: ReshardPlan,
     groups: Mapping[str, Any],
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int | str = 64 << 20,
     *,
     infer_rank: int | None = None,
     swap: bool = True,
@@ -315,218 +573,52 @@ def allgather_swap(
     engine: Any = None,
     pool: Any = None,
     gather: str = "auto",
+    pipeline: bool = False,
+    measure: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    switcher: Switcher | None = None,
 ) -> Swap:
     """Fill the inference weights from the training shards and swap the training weights out.
 
     ``train_params``: this rank's Megatron parameters (a module or ``{name: tensor}``, stage-local names).
-    ``infer``: the flat buffer from ``plan.allocate_inference()`` or its dict of views.
+    ``infer``: the flat buffer from ``plan.allocate_inference(r)`` or its dict of views; it carries ``r``,
+    which is then the default ``infer_rank`` (otherwise global rank % TP_i); another ``infer_rank`` raises.
     ``groups``: ``{"tp": ..., "pp": ..., "ep": ...}`` torch.distributed process groups (None for size 1).
-    On any error before the swap-out the training weights are untouched; an error during the swap-out
-    restores the storages already freed. The error names the parameter or bucket.
     ``gather``: ``"all_gather"`` (one ``all_gather_single`` per bucket), ``"p2p"`` (the same exchange as
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
     collective elsewhere (NCCL/HCCL).
+    ``bucket_bytes``: bytes per member and bucket, or ``"auto"``: chosen from free device memory (1/16 of
+    it over the group's members, 1-256 MiB, the smallest of the ranks' choices; ``telemetry.bucket_bytes``).
+    ``pipeline``: gather bucket k+1 while the fused copy of bucket k runs (two gather scratches).
+    ``measure``: measure the switch's allocations (``telemetry.measured_peak_bytes``, see ``memory.py``).
+    ``timeout``: seconds for the whole switch; every wait inside it gets the time that is left.
+    ``switcher``: the :class:`Switcher` owning the mirrors and state (default: :func:`default_switcher`).
+
+    Every check runs before the ranks agree (one tiny all-reduce), and the ranks also agree after every
+    bucket and after the swap-out: one rank's bad input or failure raises on every rank (``ReshardError`` /
+    :class:`SwitchAborted`), with the training weights untouched or restored everywhere. Between the switch
+    and ``wait()`` the swapped-out parameters must not be read: torch functions on them raise
+    ``SwapStateError`` (see ``guard.py``).
     """
-    import torch
-    import torch.distributed as dist
-
-    if plan._active is not None:
-        raise SwapStateError(
-            "a previous allgather_swap on this plan was not swapped back; call swap_back() and wait()"
-        )
-    t_start = time.perf_counter()
-    _check_groups(plan, groups)  # a wrong group is rejected here, before it is used for anything
-    params = _normalize_params(train_params)
-    local_error: Exception | None = None
-    try:
-        stage = _group_rank(groups.get("pp"))
-        _check_params(plan, params, stage)
-        if infer_rank is None:
-            infer_rank = (dist.get_rank() if dist.is_initialized() else 0) % plan.infer.tp
-        flat, views = _infer_flat(plan, infer, infer_rank)
-        modes = {k: _gather_mode(gather, groups.get(k)) for k in ("tp", "ep")}
-        buckets = plan.buckets(bucket_bytes)
-        cplans = plan.native_plans(bucket_bytes, infer_rank)
-    except Exception as e:
-        local_error = e
-    # every rank of the groups agrees before the first collective: one rank's bad input must not leave the
-    # others blocked in an all-gather
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    if not _agree(local_error is None, groups, device):
-        if local_error is not None:
-            raise local_error
-        raise ReshardError(
-            "another rank of the training groups rejected this switch (see its error); nothing was done here"
-        )
-    if local_error is not None:
-        raise local_error
-    assert infer_rank is not None
-    engine = engine or _default_engine()
-    cur_stream = _current_stream(device)
-
-    # unique training storages (params may share a contiguous buffer)
-    storages: list[tuple[str, Any, int, Any]] = []
-    seen: set[int] = set()
-    for n, p in params.items():
-        st = p.untyped_storage()
-        if st.data_ptr() not in seen:
-            seen.add(st.data_ptr())
-            storages.append((n, st, st.nbytes(), p.device))
-    train_bytes = sum(s[2] for s in storages)
-    meter = _Meter()
-    meter.add(train_bytes)
-    meter.add(flat.numel())
-    tele: dict[str, Any] = {
-        "layout": plan.layout,
-        "infer_rank": infer_rank,
-        "buckets": len(buckets),
-        "train_bytes": train_bytes,
-        "infer_bytes": int(flat.numel()),
-        "descriptors": int(sum(len(c) for c in cplans if c is not None)),
-    }
-    my_buckets = [b for b in buckets if b.stage == stage]
-    tele["gather"] = modes["tp"] if plan.train.tp > 1 else modes["ep"]
-    scratch_bytes = max(
-        (b.gathered_bytes + (b.local_bytes if b.members > 1 and modes[b.group] == "all_gather" else 0))
-        for b in buckets
+    sw = switcher or default_switcher(plan)
+    if sw.plan is not plan:
+        raise ReshardError(f"switcher belongs to {sw.plan!r}, not to {plan!r}")
+    return sw.switch(
+        train_params,
+        infer,
+        groups,
+        bucket_bytes,
+        infer_rank=infer_rank,
+        swap=swap,
+        verify=verify,
+        gather=gather,
+        pipeline=pipeline,
+        measure=measure,
+        timeout=timeout,
+        engine=engine,
+        pool=pool,
     )
-    tele["bucket_bytes"] = bucket_bytes  # requested bytes per member and bucket
-    tele["scratch_bytes"] = scratch_bytes  # the one-bucket gather scratch actually allocated
-    pp_group = groups.get("pp")
-    t_gather = t_copy = t_pack = 0.0
-    gathered_total = 0
-    cur = None
-    scratch = send = None
-    try:
-        scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
-        meter.add(scratch_bytes)
-        for b, cp in zip(buckets, cplans):
-            cur = b
-            gb = b.gathered_bytes
-            t0 = time.perf_counter()
-            if b.stage == stage:
-                gathered = scratch[:gb]
-                g = groups.get(b.group)
-                me = _group_rank(g)
-                if b.members > 1 and modes[b.group] == "all_gather":
-                    send = scratch[gb : gb + b.local_bytes]
-                else:  # p2p (or a group of one): pack straight into this member's slot of the gathered bucket
-                    send = scratch[me * b.local_bytes : (me + 1) * b.local_bytes]
-                dst_views = [
-                    send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params
-                ]
-                srcs = [
-                    params[name].view(shape[0], -1)[r0:r1].reshape(-1)
-                    for name, shape, _, _, r0, r1 in b.params
-                ]
-                torch._foreach_copy_(dst_views, srcs)
-                t_pack += time.perf_counter() - t0
-                if b.members > 1:
-                    if modes[b.group] == "all_gather":
-                        _all_gather_single(gathered, send, group=g)
-                    else:
-                        _exchange(gathered, b.local_bytes, me, b.members, g)
-                    gathered_total += gb - b.local_bytes
-            else:
-                gathered = scratch[:gb]
-            if pp_group is not None:
-                dist.broadcast(gathered, src=dist.get_global_rank(pp_group, b.stage), group=pp_group)
-                if b.stage != stage:
-                    gathered_total += gb
-            t1 = time.perf_counter()
-            if cp is not None:
-                # ordered after the gather/pack queued on the caller's current stream (GPU); host: no-op
-                engine.execute(cp, flat, scratch, after=cur_stream).wait(60.0)
-            t_copy += time.perf_counter() - t1
-            t_gather += t1 - t0
-        cur = None
-    except Exception as e:
-        what = (
-            f"bucket {cur.index} (stage {cur.stage}, params {', '.join(cur.names[:4])}"
-            + ("...)" if len(cur.names) > 4 else ")")
-            if cur
-            else "setup"
-        )
-        raise ReshardError(
-            f"allgather_swap failed in {what}: {type(e).__name__}: {e}; training weights untouched"
-        ) from e
-    finally:
-        del scratch, send
-    meter.sub(scratch_bytes)
-    tele.update(
-        bytes_gathered=gathered_total,
-        pack_s=t_pack,
-        gather_s=t_gather - t_pack,
-        copy_s=t_copy,
-        my_buckets=len(my_buckets),
-    )
-    tele["bytes_copied"] = int(sum(c.bytes for c in cplans if c is not None))
-
-    crcs: dict[str, int] = {}
-    if verify:
-        ref = naive_reshard(params, plan, groups, infer_rank)[0]
-        for n, v in views.items():
-            if n not in ref or not torch.equal(v, ref[n].to(v.device)):
-                raise ReshardError(f"verify: inference tensor {n!r} differs from the reference reshard")
-        crcs = {n: _crc(_bytes_view(st, dev)) for n, st, _, dev in storages}
-        tele["verified_infer"] = True
-
-    mirrors = plan.mirrors
-    if swap:
-        pool = pool or _default_pool()
-        t0 = time.perf_counter()
-        done: list[tuple[str, Any, int, Any]] = []
-        at = storages[0][0]
-        try:
-            for n, _, nbytes, _ in storages:
-                at = n
-                m = mirrors.get(n)
-                if m is None or m.nbytes < nbytes:
-                    m = mirrors[n] = pool.allocate(nbytes)
-            t_copy0 = time.perf_counter()
-            at = "(all storages, one batch)"
-            # every storage in one job: one submission and one ticket, however many parameters
-            engine.copy_many(
-                [torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nb) for n, _, nb, _ in storages],
-                [_bytes_view(st, dev) for _, st, _, dev in storages],
-                kind="d2h",
-                after=cur_stream,
-            ).wait(60.0)
-            t_copied = time.perf_counter()
-            for n, st, nbytes, dev in storages:
-                at = n
-                st.resize_(0)
-                done.append((n, st, nbytes, dev))
-                meter.sub(nbytes)
-        except Exception as e:
-            for n, st, nbytes, dev in done:  # restore what was freed
-                st.resize_(nbytes)
-                engine.copy(
-                    _bytes_view(st, dev), torch.frombuffer(mirrors[n], dtype=torch.uint8, count=nbytes)
-                ).wait(60.0)
-            raise ReshardError(
-                f"swap-out failed at parameter {at!r}: {type(e).__name__}: {e}; training weights restored"
-            ) from e
-        dt = time.perf_counter() - t0
-        dc = t_copied - t_copy0
-        tele.update(swap_out_s=dt, swap_out_gbps=train_bytes / dt / 1e9 if dt > 0 else float("inf"))
-        # the device->host copies alone (swap_out_s adds mirror lookup and freeing the storages)
-        tele.update(swap_out_copy_s=dc, swap_out_copy_gbps=train_bytes / dc / 1e9 if dc > 0 else float("inf"))
-        tele["freed_bytes"] = sum(nb for _, st, nb, _ in storages if st.nbytes() == 0)
-    else:
-        tele["freed_bytes"] = 0
-    tele["peak_bytes"] = meter.peak
-    tele["final_bytes"] = meter.cur
-    tele["total_s"] = time.perf_counter() - t_start
-    if device.type == "cuda":
-        tele["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-    s = Swap(plan, storages, mirrors, engine, views, tele, verify, crcs)
-    if swap:
-        plan._active = s
-    else:
-        s._state = "back"
-    return s
 
 
 def naive_reshard(train_params: Any, plan: ReshardPlan, groups: Mapping[str, Any], infer_rank: int = 0):
@@ -538,17 +630,17 @@ def naive_reshard(train_params: Any, plan: ReshardPlan, groups: Mapping[str, Any
 
     from . import reference
 
-    params = _normalize_params(train_params)
+    params = normalize_params(train_params)
     tr = plan.train
-    stage = _group_rank(groups.get("pp"))
-    tp_rank, ep_rank = _group_rank(groups.get("tp")), _group_rank(groups.get("ep"))
+    stage = group_rank(groups.get("pp"))
+    tp_rank, ep_rank = group_rank(groups.get("tp")), group_rank(groups.get("ep"))
     shards: dict[tuple[int, int, int], dict[str, Any]] = {}
     for s in range(tr.pp):
         for name, shape, grp in plan.stage_params[s]:
             if s == stage:
                 p = params[name]
                 g = groups.get(grp)
-                n = _group_size(g)
+                n = group_size(g)
                 parts = [torch.empty_like(p) for _ in range(n)] if n > 1 else [p]
                 if n > 1:
                     dist.all_gather(parts, p.contiguous(), group=g)
