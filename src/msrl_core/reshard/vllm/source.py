@@ -46,7 +46,7 @@ class BucketSource(WeightSource):
         scratch and one output bucket, reused (the whole model is never materialised)."""
         from ..stream import stream_buckets
 
-        meta = hf_metadata(plan)
+        meta = hf_metadata(plan, stream_kw.get("bucket_bytes", 64 << 20))
         return cls(lambda: stream_buckets(train_params, plan, groups, names="hf", **stream_kw), meta)
 
     def metadata(self) -> list[ParamMeta]:
@@ -69,11 +69,12 @@ class BucketSource(WeightSource):
             raise ReshardError(f"bucket stream ended before {rest.name!r}")
 
 
-def hf_metadata(plan: ReshardPlan) -> list[ParamMeta]:
-    hfp = plan.hf_plan()
-    layout, _ = hfp.infer_layout(0)
+def hf_metadata(plan: ReshardPlan, bucket_bytes: int) -> list[ParamMeta]:
+    """HF names, dtype and full shapes in the order ``stream_buckets(..., names="hf", bucket_bytes=...)``
+    yields them (a tensor comes when its last gather bucket is done)."""
+    schedule, _ = plan.hf_plan().stream_schedule(bucket_bytes, 0)
     dt = getattr(torch, plan.cfg.dtype)
-    return [ParamMeta(n, dt, tuple(shape)) for n, (_, shape) in layout.items()]
+    return [ParamMeta(n, dt, tuple(shape)) for sb in schedule for n, _, shape in sb.tensors]
 
 
 class SwapSource:
