@@ -1,6 +1,7 @@
 """allgather-swap resharding: Megatron training layout -> vLLM / Hugging Face inference layout, and the swap
 of the training weights to pinned host memory. See docs/reshard.md."""
 
+from msrl_core.reshard.broadcast import RolloutBroadcast
 from msrl_core.reshard.errors import ReshardError, SwapStateError
 from msrl_core.reshard.layout import ModelConfig, Parallel
 from msrl_core.reshard.plan import Bucket, ReshardPlan, StreamBucket, execute_numpy, megatron_to_vllm, to_hf
@@ -14,6 +15,7 @@ __all__ = [
     "Parallel",
     "ReshardError",
     "ReshardPlan",
+    "RolloutBroadcast",
     "Swap",
     "StreamBucket",
     "StreamTelemetry",
