@@ -31,23 +31,42 @@ class BucketSource(WeightSource):
 
     ``buckets``: called once per round, returns the round's buckets (each a list of ``(name, tensor)``; the
     tensors may be views into a reused scratch, valid until the next bucket). ``metadata``: every tensor's
-    name, dtype and full shape in iteration order, known without a transfer (from the plan)."""
+    name, dtype and full shape in iteration order, known without a transfer (from the plan).
 
-    def __init__(self, buckets: Callable[[], Buckets], metadata: Sequence[ParamMeta]) -> None:
+    Validity: by default a yielded tensor is valid until the next one is requested, which is what consumers
+    that send or copy each tensor as it comes need (our backend; vLLM's NCCL backend; its IPC backend with
+    ``packed=True``). ``stable=True`` clones each tensor, for consumers that keep every tensor until the end
+    of the round (vLLM's IPC backend with ``packed=False``: the whole model in memory). ``iter_groups()``
+    (vLLM's per-layer batches, e.g. sharded RDT) clones the tensors of each group: one layer at a time.
+    """
+
+    def __init__(
+        self, buckets: Callable[[], Buckets], metadata: Sequence[ParamMeta], *, stable: bool = False
+    ) -> None:
         self._buckets = buckets
         self._meta = list(metadata)
+        self.stable = stable
+        self._grouping = False
         self.last: Any = None  # the last round's bucket iterator (its telemetry, for a BucketStream)
 
     @classmethod
     def from_stream(
-        cls, train_params: Any, plan: ReshardPlan, groups: Mapping[str, Any], **stream_kw: Any
+        cls,
+        train_params: Any,
+        plan: ReshardPlan,
+        groups: Mapping[str, Any],
+        *,
+        stable: bool = False,
+        **stream_kw: Any,
     ) -> BucketSource:
         """Each round runs ``stream_buckets(train_params, plan, groups, names="hf", **stream_kw)``: one gather
         scratch and one output bucket, reused (the whole model is never materialised)."""
         from ..stream import stream_buckets
 
         meta = hf_metadata(plan, stream_kw.get("bucket_bytes", 64 << 20))
-        return cls(lambda: stream_buckets(train_params, plan, groups, names="hf", **stream_kw), meta)
+        return cls(
+            lambda: stream_buckets(train_params, plan, groups, names="hf", **stream_kw), meta, stable=stable
+        )
 
     def metadata(self) -> list[ParamMeta]:
         return list(self._meta)
@@ -63,10 +82,17 @@ class BucketSource(WeightSource):
                         f"bucket stream yielded {name!r} {tuple(t.shape)} {t.dtype}, metadata expects "
                         + (f"{m.name!r} {m.shape} {m.dtype}" if m else "nothing more")
                     )
-                yield name, t
+                yield name, (t.clone() if self.stable or self._grouping else t)
         rest = next(want, None)
         if rest is not None:
             raise ReshardError(f"bucket stream ended before {rest.name!r}")
+
+    def iter_groups(self) -> Iterator[tuple[list[str], list[Any]]]:
+        self._grouping = True  # a group outlives the stream bucket its first tensors came in
+        try:
+            yield from super().iter_groups()
+        finally:
+            self._grouping = False
 
 
 def hf_metadata(plan: ReshardPlan, bucket_bytes: int) -> list[ParamMeta]:
