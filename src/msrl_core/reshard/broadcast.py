@@ -1,12 +1,13 @@
 """Broadcast of a weight switch to rollout ranks outside the training group (disaggregated rollout).
 
 One process group spans the training source ranks and the rollout ranks (gloo on CPUs, NCCL/HCCL on
-devices). Rollout rank ``j`` serves inference TP rank ``r = j % TP_i`` (rollout replicas repeat the TP
-ranks). Inference rank ``r`` is produced by training rank ``trainers[r % T]`` in pass ``r // T``
-(``T = len(trainers)``) with :func:`~msrl_core.reshard.stream_buckets` in vLLM's per-rank layout, and
-broadcast bucket by bucket over a subgroup ``{that trainer} ∪ {rollout ranks of r}``: each rollout rank
-receives only the slices of its own TP rank, one bucket buffer at a time. Every rank derives the same bucket
-schedule from the plan, so nothing but tensor bytes crosses the wire (no pickled metadata).
+devices). Rollout rank ``j`` (its index in ``rollouts``) serves inference TP rank ``r = j % TP_i``
+(rollout replicas repeat the TP ranks) and is fed by training rank ``trainers[j % T]`` (``T =
+len(trainers)``), so replicas are fed by different trainers in parallel. A trainer streams each inference
+rank it feeds with :func:`~msrl_core.reshard.stream_buckets` in vLLM's per-rank layout (one pass per rank)
+and broadcasts it bucket by bucket over the subgroup ``{that trainer} ∪ {its rollout ranks of r}``: each
+rollout rank receives only the slices of its own TP rank, one bucket buffer at a time. Every rank derives
+the same bucket schedule from the plan, so nothing but tensor bytes crosses the wire (no pickled metadata).
 
 ```python
 bc = RolloutBroadcast(plan, trainers=[0, 1], rollouts=[2, 3], bucket_bytes=64 << 20)   # on every rank
@@ -77,19 +78,23 @@ class RolloutBroadcast:
         self.bucket_bytes, self.device = bucket_bytes, device
         self.tp_i = tp_i
         self.me = dist.get_rank()
-        self.subgroups: dict[int, Any] = {}
-        for r in range(tp_i):  # every rank calls new_group for every subgroup, in the same order
-            members = sorted({self.source_of(r)} | set(self.rollouts_of(r)))
-            self.subgroups[r] = dist.new_group(members)
+        self.subgroups: dict[tuple[int, int], Any] = {}
+        for k in range(len(tr)):  # every rank calls new_group for every subgroup, in the same order
+            for r in self.ranks_fed_by(k):
+                self.subgroups[(k, r)] = dist.new_group(sorted({tr[k]} | set(self.rollouts_of(k, r))))
 
-    def source_of(self, r: int) -> int:
-        return self.trainers[r % len(self.trainers)]
+    def feeder_of(self, j: int) -> int:
+        """Index (in ``trainers``) of the trainer that feeds rollout index ``j``."""
+        return j % len(self.trainers)
 
-    def rollouts_of(self, r: int) -> list[int]:
-        return [g for j, g in enumerate(self.rollouts) if j % self.tp_i == r]
+    def ranks_fed_by(self, k: int) -> list[int]:
+        return sorted({j % self.tp_i for j in range(len(self.rollouts)) if self.feeder_of(j) == k})
+
+    def rollouts_of(self, k: int, r: int) -> list[int]:
+        return [g for j, g in enumerate(self.rollouts) if self.feeder_of(j) == k and j % self.tp_i == r]
 
     def passes(self) -> int:
-        return -(-self.tp_i // len(self.trainers))
+        return max(1, *(len(self.ranks_fed_by(k)) for k in range(len(self.trainers))))
 
     # -- training side ---------------------------------------------------------------------------
     def send(self, train_params: Any, groups: Mapping[str, Any], **stream_kw: Any) -> BroadcastReport:
@@ -104,18 +109,21 @@ class RolloutBroadcast:
             raise ReshardError(
                 f"rank {self.me} is not a trainer rank ({self.trainers}); rollout ranks call receive()"
             )
-        k, T = self.trainers.index(self.me), len(self.trainers)
+        k = self.trainers.index(self.me)
+        mine = self.ranks_fed_by(k)
         rep = BroadcastReport("trainer", [])
         t0 = time.perf_counter()
         for p in range(self.passes()):
-            r = p * T + k
-            sending = r < self.tp_i
+            sending = p < len(mine)
+            r = (
+                mine[p] if sending else k % self.tp_i
+            )  # no rank left: stream anyway (collectives), send nothing
             stream = stream_buckets(
                 train_params,
                 self.plan,
                 groups,
                 names="vllm",
-                infer_rank=r if sending else k % self.tp_i,
+                infer_rank=r,
                 bucket_bytes=self.bucket_bytes,
                 **stream_kw,
             )
@@ -123,7 +131,7 @@ class RolloutBroadcast:
                 if not sending:
                     continue
                 buf = _bucket_bytes(bucket, sb.nbytes)
-                dist.broadcast(buf, src=self.me, group=self.subgroups[r])
+                dist.broadcast(buf, src=self.me, group=self.subgroups[(k, r)])
                 rep.buckets += 1
                 rep.bytes += sb.nbytes
             if sending:
@@ -144,16 +152,17 @@ class RolloutBroadcast:
         import torch.distributed as dist
 
         r = self.infer_rank()
+        k = self.feeder_of(self.rollouts.index(self.me))
         schedule, _ = self.plan.stream_schedule(self.bucket_bytes, r)
         dtype = getattr(torch, self.plan.cfg.dtype)
         es = self.plan.itemsize
         buf = torch.empty(max(sb.nbytes for sb in schedule), dtype=torch.uint8, device=self.device)
-        src = self.source_of(r)
+        src = self.trainers[k]
         self.report = BroadcastReport("rollout", [r])
         t0 = time.perf_counter()
         for sb in schedule:
             view = buf[: sb.nbytes]
-            dist.broadcast(view, src=src, group=self.subgroups[r])
+            dist.broadcast(view, src=src, group=self.subgroups[(k, r)])
             self.report.buckets += 1
             self.report.bytes += sb.nbytes
             self.report.seconds = time.perf_counter() - t0
