@@ -28,21 +28,26 @@ def free_port() -> int:
 
 def run(cases: list[dict], world: int = 2, timeout: float = 600.0) -> list[dict]:
     """Run ``cases`` in ``world`` spawned processes; returns per-rank ``{case_name: result}``."""
+    return spawn(_main, cases, world, timeout, "megatron workers")
+
+
+def spawn(main, cases: list, world: int, timeout: float, what: str) -> list[dict]:
+    """Spawn ``main(rank, world, port, cases, out_dir)`` in ``world`` processes once; each rank writes
+    ``rank{r}.json``. Returns the per-rank results; kills the workers past ``timeout``."""
+    import time
+
     import torch.multiprocessing as mp
 
     out = tempfile.mkdtemp(prefix="msrl_mg_")
-    port = free_port()
     ctx = mp.start_processes(
-        _main, args=(world, port, cases, out), nprocs=world, join=False, start_method="spawn"
+        main, args=(world, free_port(), cases, out), nprocs=world, join=False, start_method="spawn"
     )
-    import time
-
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5.0):
+    while not ctx.join(timeout=2.0):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError(f"megatron workers did not finish in {timeout} s")
+            raise TimeoutError(f"{what} did not finish in {timeout} s")
     res = []
     for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:
@@ -387,7 +392,7 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
     plan = to_hf(cfg, train)
     flat, views = plan.allocate_inference()
     swap = msrl_core.allgather_swap(
-        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10)
+        model, flat, plan, groups, bucket_bytes=case.get("bucket_bytes", 32 << 10), measure=True
     )
     res["hf_telemetry"] = {k: v for k, v in swap.telemetry.items() if isinstance(v, (int, float, str, bool))}
     res["freed_all"] = all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
@@ -417,7 +422,14 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         vplan = megatron_to_vllm(cfg, train, Parallel(tp=ti, ep=case.get("vllm_ep", 1)))
         vflat, vviews = vplan.allocate_inference(infer_rank=rank % ti)
         vs = msrl_core.allgather_swap(
-            model, vflat, vplan, groups, bucket_bytes=16 << 10, verify=True, gather=case.get("gather", "auto")
+            model,
+            vflat,
+            vplan,
+            groups,
+            bucket_bytes=16 << 10,
+            verify=True,
+            gather=case.get("gather", "auto"),
+            measure=True,
         )
         exp = reference.hf_to_vllm(cfg, vplan.infer, rank % ti, hf_full)
         res["vllm_names_equal"] = sorted(exp) == sorted(vviews)

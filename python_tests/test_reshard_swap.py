@@ -14,6 +14,7 @@ from msrl_core.reshard import (
     ReshardError,
     SwapStateError,
     allgather_swap,
+    default_switcher,
     megatron_to_vllm,
     naive_reshard,
     reference,
@@ -74,13 +75,13 @@ def test_pinned_mirrors_are_allocated_once_and_reused(setup):
     flat, _ = plan.allocate_inference()
     pool = msrl_core.PinnedPool()
     allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool).swap_back().wait()
-    mirrors = dict(plan.mirrors)
+    mirrors = dict(default_switcher(plan).mirrors)
     in_use = pool.stats()["in_use"]
     for _ in range(3):
         allgather_swap(
             params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, pool=pool
         ).swap_back().wait()
-    assert all(plan.mirrors[k] is m for k, m in mirrors.items())
+    assert all(default_switcher(plan).mirrors[k] is m for k, m in mirrors.items())
     assert pool.stats()["in_use"] == in_use
     assert intact(params, snap)
 
@@ -95,7 +96,7 @@ def test_verify_mode_checks_inference_and_training(setup):
     # a corrupted host mirror is caught after the swap back, naming the parameter
     s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, verify=True)
     name = next(iter(params))
-    torch.frombuffer(plan.mirrors[name], dtype=torch.uint8)[0] ^= 0xFF
+    torch.frombuffer(default_switcher(plan).mirrors[name], dtype=torch.uint8)[0] ^= 0xFF
     with pytest.raises(ReshardError, match=name.replace(".", r"\.")):
         s.swap_back().wait()
 
@@ -143,7 +144,7 @@ def test_bad_parameter_set_names_the_parameter_and_leaves_weights_intact(setup, 
         allgather_swap(bad, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
     assert needle in str(ei.value)
     assert intact(params, snap)
-    assert plan._active is None
+    assert default_switcher(plan).active is None
 
 
 def test_unknown_gather_mode_is_rejected(setup):
@@ -191,7 +192,7 @@ def test_failure_mid_switch_names_the_bucket_and_keeps_training_weights(setup):
     flat, _ = plan.allocate_inference()
     with pytest.raises(ReshardError, match=r"bucket 2 .*injected copy failure.*untouched"):
         allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingEngine(3))
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     # and the next switch works
     allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0).swap_back().wait()
     assert intact(params, snap)
@@ -215,7 +216,7 @@ def test_failure_of_the_swap_out_copies_leaves_training_weights(setup):
         allgather_swap(
             params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0, engine=_FailingSwapEngine(1)
         )
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     assert all(p.untyped_storage().nbytes() > 0 for p in params.values())
 
 
@@ -226,7 +227,7 @@ def test_failure_while_freeing_restores_the_storages_already_freed(setup):
     params[fifth].numpy()  # a storage shared with numpy can no longer be resized: freeing it fails
     with pytest.raises(ReshardError, match=f"swap-out failed at parameter '{fifth}'.*restored"):
         allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, infer_rank=0)
-    assert intact(params, snap) and plan._active is None
+    assert intact(params, snap) and default_switcher(plan).active is None
     assert all(p.untyped_storage().nbytes() > 0 for p in params.values())  # the first four came back
 
 
@@ -337,4 +338,92 @@ def test_half_precision_switch(dtype):
     exp = reference.hf_to_vllm(cfg, plan.infer, 1, hf)
     assert all(views[k].dtype == getattr(torch, dtype) and torch.equal(views[k], exp[k]) for k in exp)
     s.swap_back().wait()
+    assert intact(params, snap)
+
+
+class _CopyingEngine(_FailingEngine):
+    """A real engine that makes one extra temporary copy of every gathered bucket (the kind of regression the
+    measured peak must catch)."""
+
+    def __init__(self):
+        super().__init__(fail_at=-1)
+
+    def execute(self, plan, dst, src, **k):
+        extra = src.clone()
+        return self.e.execute(plan, dst, extra, **k)
+
+
+ALLOWANCE = 4 << 10  # bytes of small torch temporaries allowed above the bound (measured here: 0)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_measured_peak_is_shard_plus_inference_plus_buckets(pipeline):
+    """The switch's allocations are measured (a dispatch-mode tally of every storage torch allocates, not a
+    sum in the code): measured peak <= shard + inference + one bucket (two when pipelined) + 4 KiB. The
+    pinned mirrors are host bytes, reported apart (mirror_new_bytes: the whole shard on the first switch)."""
+    cfg = CONFIGS["qwen2_gqa_bias"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
+    params = make_params(plan)
+    snap = snapshot(params)
+    flat, views = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, pipeline=pipeline)
+    t = s.telemetry
+    one = t.scratch_bytes // (2 if pipeline else 1)
+    assert one <= BUCKET + 64
+    assert t.measured_switch_bytes >= t.scratch_bytes  # the scratch is seen: the tally is not vacuous
+    assert t.measured_peak_bytes <= t.train_bytes + t.infer_bytes + (2 if pipeline else 1) * one + ALLOWANCE
+    assert t.mirror_new_bytes == t.train_bytes and t.mirror_bytes == t.train_bytes and t.device_is_host
+    exp = reference.hf_to_vllm(
+        cfg, plan.infer, 0, reference.megatron_to_hf(cfg, plan.train, {(0, 0, 0): snap})
+    )
+    assert all(torch.equal(views[k], exp[k]) for k in exp)
+    s.swap_back().wait()
+    s2 = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, pipeline=pipeline)
+    assert s2.telemetry.mirror_new_bytes == 0  # mirrors persist in the plan's switcher
+    s2.swap_back().wait()
+    assert intact(params, snap)
+
+
+def test_an_extra_temporary_copy_breaks_the_measured_bound():
+    cfg = CONFIGS["qwen2_gqa_bias"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
+    params = make_params(plan)
+    flat, _ = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes=BUCKET, measure=True, engine=_CopyingEngine())
+    t = s.telemetry
+    s.swap_back().wait()
+    assert t.measured_peak_bytes > t.train_bytes + t.infer_bytes + t.scratch_bytes + ALLOWANCE
+
+
+def test_pipelined_switch_equals_the_plain_one():
+    cfg = CONFIGS["qwen3_moe"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=2, ep=2))
+    params = make_params(plan)
+    snap = snapshot(params)
+    outs = []
+    for pipeline in (False, True):
+        flat, views = plan.allocate_inference(1)
+        s = allgather_swap(params, flat, plan, {}, bucket_bytes=4 << 10, pipeline=pipeline)
+        assert s.telemetry.pipelined == pipeline and s.telemetry.buckets > 4
+        s.swap_back().wait()
+        outs.append(flat)
+    assert torch.equal(outs[0], outs[1]) and intact(params, snap)
+
+
+def test_bucket_bytes_auto_is_chosen_from_free_memory(setup, monkeypatch):
+    from msrl_core.reshard import steps
+
+    plan, params, snap = setup
+    monkeypatch.setattr(steps, "auto_bucket_bytes", lambda device, members: 1 << 20)
+    flat, views = plan.allocate_inference()
+    s = allgather_swap(params, flat, plan, {}, bucket_bytes="auto")
+    assert s.telemetry.bucket_bytes == 1 << 20 and s.telemetry.buckets == len(plan.buckets(1 << 20))
+    ref = reference.megatron_to_hf(CFG, plan.train, {(0, 0, 0): snap})
+    s.swap_back().wait()
+    assert all(torch.equal(views[k], ref[k]) for k in ref) and intact(params, snap)
+    monkeypatch.undo()
+    b = steps.auto_bucket_bytes(torch.device("cpu"), 2)  # the real choice: whole MiB in [1, 256] MiB
+    assert 1 << 20 <= b <= 256 << 20 and b % (1 << 20) == 0
+    with pytest.raises(ReshardError, match="bucket_bytes must be a positive int or 'auto', got 'big'"):
+        allgather_swap(params, flat, plan, {}, bucket_bytes="big")
     assert intact(params, snap)

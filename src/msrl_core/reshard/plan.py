@@ -66,8 +66,10 @@ class StreamBucket:
 class ReshardPlan:
     """Megatron (``train``) -> inference (``infer``) layout, ``layout`` = ``"vllm"`` or ``"hf"``.
 
-    Rank-independent until :meth:`bucket_descriptors` picks an inference rank; descriptor arrays and native
-    copy plans are built once per ``(bucket_bytes, infer_rank)`` and cached.
+    Immutable metadata: rank-independent until :meth:`bucket_descriptors` picks an inference rank;
+    descriptor arrays and native copy plans are built once per ``(bucket_bytes, infer_rank)`` and memoised
+    (pure functions of the plan). What a switch leaves behind (pinned mirrors, the swap not yet swapped
+    back) lives in a :class:`~msrl_core.reshard.Switcher`.
     """
 
     def __init__(self, cfg: ModelConfig, train: Parallel, infer: Parallel, layout: str) -> None:
@@ -84,9 +86,16 @@ class ReshardPlan:
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
         self._native: dict[tuple[int, int, bool], list[Any]] = {}
         self._stream: dict[tuple[int, int], tuple[list[StreamBucket], list[np.ndarray]]] = {}
-        self.mirrors: dict[str, Any] = {}  # persistent pinned host mirrors, by parameter name (see swap.py)
-        self._active: Any = None  # the Swap not yet swapped back
         self._hf_plan: ReshardPlan | None = None
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False) and not name.startswith("_"):
+            raise AttributeError(
+                f"ReshardPlan is immutable (setting {name!r}); build a new plan, or keep switch state in a "
+                "Switcher"
+            )
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"ReshardPlan({self.cfg.arch}, train={self.train}, infer={self.infer}, layout={self.layout!r})"

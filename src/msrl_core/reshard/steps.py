@@ -13,9 +13,10 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from .errors import ReshardError, SwapStateError
+from .errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
 from .plan import Bucket, ReshardPlan
 from .spec import canonical_megatron_name
 
@@ -75,17 +76,51 @@ def training_groups(groups: Mapping[str, Any]) -> list[Any]:
     return seen
 
 
-def agree(ok: bool, groups: Mapping[str, Any], device, fingerprint: int = 0) -> tuple[bool, bool]:
+def agree(
+    ok: bool, groups: Mapping[str, Any], device, fingerprint: int = 0, deadline: Deadline | None = None
+) -> tuple[bool, bool]:
     """MIN-all-reduce of the local verdict and MIN/MAX of a settings fingerprint over every distinct training
-    group (one 3-int all-reduce per group). Returns ``(all ok, all fingerprints equal)``."""
+    group (one small all-reduce per group; sequential over the groups, so a verdict reaches every rank of
+    the TP x PP x EP grid). Returns ``(all ok, all fingerprints equal)``."""
+    ok, same, _ = agree_values(ok, groups, device, fingerprint, 0, deadline)
+    return ok, same
+
+
+def agree_values(
+    ok: bool, groups: Mapping[str, Any], device, fingerprint: int, propose: int, deadline: Deadline | None
+) -> tuple[bool, bool, int]:
+    """:func:`agree`, plus the minimum over the ranks of ``propose`` (in the same all-reduce)."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([1 if ok else 0, fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    flag = torch.tensor(
+        [1 if ok else 0, fingerprint, -fingerprint, propose], dtype=torch.int64, device=device
+    )
     for g in training_groups(groups):
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+        _collective(partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=g, async_op=True), deadline)
     lo, hi = int(flag[1]), -int(flag[2])
-    return bool(flag[0].item()), lo == hi == fingerprint
+    return bool(flag[0].item()), lo == hi == fingerprint, int(flag[3])
+
+
+def auto_bucket_bytes(device: Any, members: int) -> int:
+    """``bucket_bytes="auto"``: 1/16 of the free memory of ``device`` (CUDA: ``mem_get_info``; host:
+    ``MemAvailable``) over the gather group's members, in whole MiB within [1, 256] MiB. A pipelined switch
+    (two scratches) then takes at most 1/8 of what was free."""
+    import torch
+
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        free = 1 << 30
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        free = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    b = free // 16 // max(1, members)
+    return int(min(256 << 20, max(1 << 20, b)) >> 20 << 20)
 
 
 def fingerprint(*settings: Any) -> int:
@@ -167,6 +202,7 @@ class Prepared:
     modes: dict[str, str]  # gather mode per group key ("tp", "ep")
     device: Any
     deadline: Deadline
+    bucket_bytes: int  # as passed, or the agreed minimum of the ranks' "auto" choices
 
 
 def prepare(
@@ -176,7 +212,7 @@ def prepare(
     groups: Mapping[str, Any],
     *,
     infer_rank: int | None,
-    bucket_bytes: int,
+    bucket_bytes: int | str,
     gather: str,
     timeout: float,
     settings: tuple = (),
@@ -185,9 +221,10 @@ def prepare(
     """Run every local check, then agree on the verdict and the settings across the training groups.
 
     ``settings`` are values every rank must pass alike (they enter the fingerprint with the plan, the
-    bucket size and the gather mode); ``extra_check(params, infer_rank)`` adds caller-specific checks. On
-    disagreement every rank raises: the rank with the bad input its own error, the others a
-    ``ReshardError`` saying another rank rejected the switch."""
+    bucket size and the gather mode); ``bucket_bytes="auto"``: every rank proposes
+    :func:`auto_bucket_bytes` and the smallest proposal is used; ``extra_check(params, infer_rank)`` adds
+    caller-specific checks. On disagreement every rank raises: the rank with the bad input its own error,
+    the others a ``ReshardError`` saying another rank rejected the switch."""
     import torch
     import torch.distributed as dist
 
@@ -200,8 +237,10 @@ def prepare(
         params = normalize_params(train_params)
         deadline = Deadline(timeout)
         check_groups(plan, groups)
-        if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ReshardError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if bucket_bytes != "auto" and (
+            not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0
+        ):
+            raise ReshardError(f"bucket_bytes must be a positive int or 'auto', got {bucket_bytes!r}")
         stage = group_rank(groups.get("pp"))
         check_params(plan, params, stage)
         if infer_rank is None:
@@ -215,8 +254,13 @@ def prepare(
         local_error = e
     device = next(iter(params.values())).device if params else torch.device("cpu")
     fp = fingerprint(what, repr(plan), bucket_bytes, gather, settings)
+    propose = 0
+    if bucket_bytes == "auto":
+        propose = auto_bucket_bytes(device, max(plan.train.tp, plan.train.ep))
     try:
-        ok, same = agree(local_error is None, groups, device, fp)
+        ok, same, chosen = agree_values(local_error is None, groups, device, fp, propose, deadline)
+    except SwitchAborted:
+        raise
     except Exception as e:  # the group itself is unusable (wrong object, destroyed, ...)
         raise ReshardError(f"{what}: the agreement all-reduce over the training groups failed: {e}") from (
             local_error or e
@@ -234,18 +278,52 @@ def prepare(
             f"bucket_bytes={bucket_bytes}, gather={gather!r}, settings={settings!r}"
         )
     assert infer_rank is not None and deadline is not None
-    return Prepared(params, stage, infer_rank, modes, device, deadline)
+    size = chosen if bucket_bytes == "auto" else bucket_bytes
+    assert isinstance(size, int)
+    return Prepared(params, stage, infer_rank, modes, device, deadline, size)
 
 
-def _all_gather_single(out, inp, group) -> None:
+def _collective(start: Callable[[], Any], deadline: Deadline | None) -> None:
+    """Start an async collective and wait for it within the switch's deadline: a hang becomes
+    :class:`SwitchTimeout`, any other failure of the collective (a peer died) :class:`SwitchAborted`."""
+    from datetime import timedelta
+
+    try:
+        work = start()
+        if deadline is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=deadline.left()))
+    except Exception as e:
+        text = str(e).lower()
+        if deadline is not None and (deadline.left() <= 0.001 or "timed out" in text or "timeout" in text):
+            raise SwitchTimeout(
+                f"a collective of the switch did not finish within the timeout ({deadline.timeout:g} s): "
+                f"{e}; the process group may be unusable now"
+            ) from e
+        raise SwitchAborted(
+            f"a collective of the switch failed ({type(e).__name__}: {e}); a peer may have died"
+        ) from e
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+class _Done:
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+def _all_gather_single(out, inp, group, deadline: Deadline | None) -> None:
     import torch.distributed as dist
 
     # torch >= 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    _collective(lambda: fn(out, inp, group=group, async_op=True), deadline)
 
 
-def _exchange(gathered, local_bytes: int, me: int, members: int, group) -> None:
+def _exchange(gathered, local_bytes: int, me: int, members: int, group, deadline: Deadline | None) -> None:
     """All-gather as pairwise exchange: send my slot to every peer, receive each peer's slot in place."""
     import torch.distributed as dist
 
@@ -256,8 +334,15 @@ def _exchange(gathered, local_bytes: int, me: int, members: int, group) -> None:
         ops.append(dist.P2POp(dist.isend, mine, dist.get_global_rank(group, to), group))
         slot = gathered[frm * local_bytes : (frm + 1) * local_bytes]
         ops.append(dist.P2POp(dist.irecv, slot, dist.get_global_rank(group, frm), group))
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
+    works: list[Any] = []
+
+    def start() -> Any:
+        works.extend(dist.batch_isend_irecv(ops))
+        return _Done()
+
+    _collective(start, deadline)
+    for w in works:
+        _collective(partial(_same, w), deadline)
 
 
 def scratch_bytes(buckets: list[Bucket], modes: Mapping[str, str]) -> int:
@@ -270,21 +355,30 @@ def scratch_bytes(buckets: list[Bucket], modes: Mapping[str, str]) -> int:
 
 class Gatherer:
     """Gathers buckets into a caller-owned scratch: pack the local shards, exchange over the bucket's group,
-    broadcast over the PP group. Counts the bytes received and the time per phase."""
+    broadcast over the PP group. Counts the bytes received and the time per phase.
 
-    def __init__(self, prep: Prepared, groups: Mapping[str, Any]) -> None:
-        self.prep, self.groups = prep, groups
+    A local failure (the pack) does not skip the collectives: the rank still takes its part in them (with
+    whatever its slot holds), so no peer is left waiting, and the error is returned for the ranks'
+    per-bucket agreement. ``fail`` is a test hook: ``fail(bucket)`` runs before the pack (the switch also
+    calls ``fail(None)`` after allocating its scratch)."""
+
+    def __init__(
+        self, prep: Prepared, groups: Mapping[str, Any], fail: Callable[[Bucket], None] | None = None
+    ):
+        self.prep, self.groups, self.fail = prep, groups, fail
         self.pp_group = groups.get("pp")
         self.received = 0
         self.pack_s = self.exchange_s = 0.0
 
-    def gather(self, b: Bucket, scratch) -> Any:
-        """Fill ``scratch[:b.gathered_bytes]`` with bucket ``b`` gathered over its group; returns the view."""
+    def gather(self, b: Bucket, scratch, deadline: Deadline | None = None) -> tuple[Any, Exception | None]:
+        """Fill ``scratch[:b.gathered_bytes]`` with bucket ``b`` gathered over its group; returns the view
+        and the local error of the pack (None when it worked)."""
         import torch
         import torch.distributed as dist
 
         prep, gb = self.prep, b.gathered_bytes
         gathered = scratch[:gb]
+        error: Exception | None = None
         t0 = time.perf_counter()
         if b.stage == prep.stage:
             g = self.groups.get(b.group)
@@ -292,27 +386,38 @@ class Gatherer:
             collective = b.members > 1 and prep.modes[b.group] == "all_gather"
             # p2p (or a group of one): pack straight into this member's slot of the gathered bucket
             send = scratch[gb : gb + b.local_bytes] if collective else gathered[me * b.local_bytes :]
-            params = prep.params
-            dst_views = [send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params]
-            srcs = [
-                params[name].view(shape[0], -1)[r0:r1].reshape(-1) for name, shape, _, _, r0, r1 in b.params
-            ]
-            torch._foreach_copy_(dst_views, srcs)
+            try:
+                if self.fail is not None:
+                    self.fail(b)  # test hook: a failure injected at this bucket
+                params = prep.params
+                dst_views = [
+                    send[off : off + nb].view(params[name].dtype) for name, _, off, nb, _, _ in b.params
+                ]
+                srcs = [
+                    params[name].view(shape[0], -1)[r0:r1].reshape(-1)
+                    for name, shape, _, _, r0, r1 in b.params
+                ]
+                torch._foreach_copy_(dst_views, srcs)
+            except Exception as e:
+                error = e
             t1 = time.perf_counter()
             self.pack_s += t1 - t0
             t0 = t1
             if b.members > 1:
                 if collective:
-                    _all_gather_single(gathered, send, group=g)
+                    _all_gather_single(gathered, send[: b.local_bytes], g, deadline)
                 else:
-                    _exchange(gathered, b.local_bytes, me, b.members, g)
+                    _exchange(gathered, b.local_bytes, me, b.members, g, deadline)
                 self.received += gb - b.local_bytes
         if self.pp_group is not None:
-            dist.broadcast(gathered, src=dist.get_global_rank(self.pp_group, b.stage), group=self.pp_group)
+            src = dist.get_global_rank(self.pp_group, b.stage)
+            _collective(
+                lambda: dist.broadcast(gathered, src=src, group=self.pp_group, async_op=True), deadline
+            )
             if b.stage != prep.stage:
                 self.received += gb
         self.exchange_s += time.perf_counter() - t0
-        return gathered
+        return gathered, error
 
 
 def bucket_label(b: Bucket | None) -> str:

@@ -16,13 +16,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ReshardError
+from .errors import ReshardError, SwitchAborted
 from .plan import ReshardPlan, StreamBucket
 from .steps import (
     DEFAULT_TIMEOUT,
     Deadline,
     Gatherer,
     Prepared,
+    agree,
     bucket_label,
     current_stream,
     prepare,
@@ -101,22 +102,30 @@ class BucketStream:
         out = torch.empty(tele.output_scratch_bytes, dtype=torch.uint8, device=prep.device)
         for sb in self.schedule:
             deadline = Deadline(self._timeout)  # per bucket: the consumer's time between buckets is its own
-            cur = None
-            try:
-                for off, nb in sb.zero:
-                    out[off : off + nb].zero_()
-                for k in sb.gather:
-                    cur = self._buckets[k]
-                    gathered = gatherer.gather(cur, scratch)
-                    t1 = time.perf_counter()
-                    if cplans[k] is not None:
+            for off, nb in sb.zero:
+                out[off : off + nb].zero_()
+            for k in sb.gather:
+                cur = self._buckets[k]
+                gathered, err = gatherer.gather(cur, scratch, deadline)
+                t1 = time.perf_counter()
+                if err is None and cplans[k] is not None:
+                    try:
                         self._engine.execute(cplans[k], out, gathered, after=cur_stream).wait(deadline.left())
-                    tele.copy_s += time.perf_counter() - t1
-            except Exception as e:
-                raise ReshardError(
-                    f"stream_buckets failed in {bucket_label(cur)}: {type(e).__name__}: {e}; "
-                    "training weights untouched"
-                ) from e
+                    except Exception as e:
+                        err = e
+                tele.copy_s += time.perf_counter() - t1
+                # the ranks agree after every gather bucket: a failure on one raises on all of them here
+                ok, _ = agree(err is None, self._groups, prep.device, 0, deadline)
+                if err is not None:
+                    raise SwitchAborted(
+                        f"stream_buckets failed in {bucket_label(cur)} on this rank: {type(err).__name__}: "
+                        f"{err}; training weights untouched"
+                    ) from err
+                if not ok:
+                    raise SwitchAborted(
+                        f"stream_buckets aborted at {bucket_label(cur)}: another rank of the training groups "
+                        "failed there (see its error); training weights untouched"
+                    )
             tele.bytes_gathered, tele.pack_s, tele.gather_s = (
                 gatherer.received,
                 gatherer.pack_s,
@@ -147,7 +156,7 @@ def stream_buckets(
     *,
     names: str | None = None,
     infer_rank: int | None = None,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int | str = 64 << 20,
     gather: str = "auto",
     engine: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
@@ -158,8 +167,10 @@ def stream_buckets(
     per-rank fused tensors of ``infer_rank``, the ``megatron_to_vllm`` plan); default: ``plan.layout``.
     ``"hf"`` works from any plan; ``"vllm"`` needs a ``megatron_to_vllm`` plan (it holds the inference sizes).
     ``infer_rank``: the inference TP rank whose slices to yield (default: global rank % TP_i).
+    ``engine``: the copy engine (default: that of ``default_switcher(plan)``).
     ``bucket_bytes``: gather bytes per member and output bytes per yielded bucket (a tensor larger than it
-    is yielded in a bucket of its own). ``timeout``: seconds for each bucket's gather and copy.
+    is yielded in a bucket of its own), or ``"auto"`` (from free device memory, as in ``allgather_swap``).
+    ``timeout``: seconds for each bucket's gather and copy.
 
     The training weights are only read (no swap-out). Checks and the ranks' agreement run here, before
     this returns; every rank of the training groups must then consume the iterator to the end. The yielded
@@ -174,6 +185,7 @@ def stream_buckets(
             "names='vllm' needs a megatron_to_vllm(cfg, train, infer) plan (it holds the inference TP/EP); "
             f"got {plan!r}"
         )
+    owner = plan
     if names != plan.layout:
         plan = plan.hf_plan()
     prep = prepare(
@@ -187,7 +199,7 @@ def stream_buckets(
         timeout=timeout,
     )
     if engine is None:
-        from .swap import _default_engine
+        from .swap import default_switcher
 
-        engine = _default_engine()
-    return BucketStream(plan, groups, prep, bucket_bytes, engine, timeout)
+        engine = default_switcher(owner).engine
+    return BucketStream(plan, groups, prep, prep.bucket_bytes, engine, timeout)
