@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
-import time
 
 import pytest
 
@@ -22,7 +20,7 @@ CASES = [  # (config, inference TP); rollout ranks 2, 3 are TP ranks (TP_i 2) or
 ]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -36,7 +34,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tp_group = dist.new_group([0, 1])
     res: dict = {}
-    for name, ti in CASES:
+    for name, ti in cases:
         cfg = CONFIGS[name]
         train = Parallel(tp=2)
         plan = megatron_to_vllm(cfg, train, Parallel(tp=ti))
@@ -90,23 +88,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    import torch.multiprocessing as mp
+    from megatron_harness import spawn
 
-    from megatron_harness import free_port
-
-    out = tempfile.mkdtemp(prefix="msrl_bc_")
-    ctx = mp.start_processes(_worker, args=(4, free_port(), out), nprocs=4, join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=2.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError("broadcast workers did not finish in 300 s")
-    res = []
-    for r in range(4):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            res.append(json.load(f))
-    return res
+    return spawn(_worker, CASES, 4, 300.0, "broadcast workers")
 
 
 @pytest.mark.parametrize("name,ti", CASES)
