@@ -20,8 +20,8 @@ TPS = [1, 2]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    res = vllm_harness.run(str(tmp_path_factory.mktemp("vllm_transfer")), TPS)
+def results():
+    res = vllm_harness.run(TPS)
     assert "error" not in res, res.get("traceback")
     assert res["ref_step_changes_tokens"], "the training step must change the reference's greedy tokens"
     return res

@@ -12,7 +12,7 @@ Per inference TP_i, one engine serves every case (engine start-up dominates the 
    must see it), then the good weights again;
 4. ``bad_*``: updates with a wrong shape, a wrong dtype and an unknown name (engine must reject, unchanged).
 
-Rank 0 writes ``{case: {"tokens": [...], "ref_tokens": [...], "lp_diff": x, ...}}`` as JSON.
+Rank 0 returns ``{case: {"tokens": [...], "ref_tokens": [...], "lp_diff": x, ...}}`` (JSON).
 """
 
 from __future__ import annotations
@@ -41,23 +41,14 @@ MODEL = dict(
 )
 
 
-def run(out_dir: str, tps: list[int], timeout: float = 1500.0) -> dict:
-    import time
-
-    import torch.multiprocessing as mp
-
+def run(tps: list[int], timeout: float = 1500.0) -> dict:
+    """Run every case for each TP_i in ``tps``; returns rank 0's results."""
     import megatron_harness
 
-    port = megatron_harness.free_port()
-    ctx = mp.start_processes(_main, args=(2, port, out_dir, tps), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"vLLM tier workers did not finish in {timeout} s")
-    with open(os.path.join(out_dir, "rank0.json")) as f:
-        return json.load(f)
+    res = megatron_harness.spawn(_main, tps, 2, timeout, "vLLM tier workers")
+    if "error" in res[1] and "error" not in res[0]:
+        res[0].update(error="rank 1: " + res[1]["error"], traceback=res[1]["traceback"])
+    return res[0]
 
 
 def _greedy_hf(model, prompt):
@@ -121,7 +112,7 @@ class _Corrupt:
             w[q : q + self.cfg.hd].zero_()  # one K head of this rank
 
 
-def _main(rank: int, world: int, port: int, out_dir: str, tps: list[int]) -> None:
+def _main(rank: int, world: int, port: int, tps: list[int], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import megatron_compat
@@ -138,9 +129,8 @@ def _main(rank: int, world: int, port: int, out_dir: str, tps: list[int]) -> Non
     except Exception as e:
         results["error"] = f"{type(e).__name__}: {e}"
         results["traceback"] = traceback.format_exc()
-    if rank == 0:
-        with open(os.path.join(out_dir, "rank0.json"), "w") as f:
-            json.dump(results, f)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
     dist.destroy_process_group()
 
 
