@@ -62,7 +62,9 @@ def test_per_rank_backend_second_step_replaces_first(results, ti):
 def test_corrupted_slice_is_caught(results, ti):
     r = results[f"tp{ti}"]
     assert not (r["corrupt"]["tokens_equal"] and r["corrupt"]["lp_diff"] <= 1e-3), r["corrupt"]
-    _matches(r["restored"])
+    _matches(r["restored"])  # streamed per-rank chunks (StreamSource) repaired it
+    assert r["restored"]["chunks"] > 1
+    assert r["restored"]["per_rank_bytes"] == r["per_rank"]["per_rank_bytes"]
 
 
 @pytest.mark.parametrize("ti", TPS)

@@ -9,7 +9,7 @@ Per inference TP_i, one engine serves every case (engine start-up dominates the 
    ``allgather_swap`` writes each inference rank's fused slices straight into the shared-memory channel and
    swaps the training weights out; each worker copies in only its rank's tensors by name;
 3. ``corrupt``: the same with one slice of the last inference rank's ``qkv_proj`` K rows zeroed (the check
-   must see it), then the good weights again;
+   must see it), then the good weights again, streamed (``StreamSource``: one bucket per rank at a time);
 4. ``bad_*``: updates with a wrong shape, a wrong dtype and an unknown name (engine must reject, unchanged).
 
 Rank 0 returns ``{case: {"tokens": [...], "ref_tokens": [...], "lp_diff": x, ...}}`` (JSON).
@@ -141,7 +141,7 @@ def _cases(rank, world, port, out_dir, tps, results) -> None:
     import megatron_harness
     from msrl_core.reshard import ModelConfig, Parallel, ReshardError, megatron_to_vllm, stream_buckets, to_hf
     from msrl_core.reshard import vllm as rv
-    from msrl_core.reshard.vllm.source import BucketSource, SwapSource, TensorsSource
+    from msrl_core.reshard.vllm.source import BucketSource, StreamSource, SwapSource, TensorsSource
 
     cfg = ModelConfig(**MODEL)
     model, groups, _ = megatron_harness._build_megatron(cfg, 2, 1, 1)
@@ -236,10 +236,13 @@ def _cases(rank, world, port, out_dir, tps, results) -> None:
             rv.load_into(llm, bad, **common)
             if rank == 0:
                 res["corrupt"] = _compare(_greedy_vllm(llm), ref2)
-            rv.load_into(llm, SwapSource(model, plan, groups, rank=rank, world=world, swap=False), **common)
+            # the good weights again, streamed: one stream bucket per inference rank in the channel at a time
+            stream_src = StreamSource(model, plan, groups, rank=rank, world=world, bucket_bytes=256 << 10)
+            rep = rv.load_into(llm, stream_src, **common)
             if rank == 0:
                 good = _greedy_vllm(llm)
                 res["restored"] = _compare(good, ref2)
+                res["restored"].update(chunks=rep.chunks, per_rank_bytes=rep.per_rank_bytes)
 
                 # 4. bad input to our backend: clear error naming it, engine weights unchanged
                 names = llm.collective_rpc("msrl_param_names")[0]

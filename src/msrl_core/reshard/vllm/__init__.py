@@ -87,7 +87,8 @@ def load_into(
     - a :class:`~msrl_core.reshard.Swap` or a dict ``{name: tensor}`` of one inference rank of a
       ``megatron_to_vllm`` plan with ``TP_i = 1`` / a ``to_hf`` plan (the plan decides the layout);
     - ``{inference rank: {vLLM per-rank name: tensor}}``: each worker gets only its rank's tensors;
-    - a ``PerRankSource`` (``SwapSource``: ``allgather_swap`` straight into the transport buffers) or any vLLM
+    - a ``PerRankSource`` (``SwapSource``: ``allgather_swap`` straight into the transport buffers;
+      ``StreamSource``: the same streamed, one bucket per rank in the transport at a time) or any vLLM
       ``WeightSource`` (HF names, full shapes, e.g. ``BucketSource.from_stream``), sent in
       ``bucket_bytes`` chunks.
 
@@ -119,7 +120,9 @@ def load_into(
             src = TensorsSource({0: weights})
         else:
             src = _HFMapping(weights)
-    elif not (isinstance(weights, WeightSource) or hasattr(weights, "fill")):
+    elif not (
+        isinstance(weights, WeightSource) or hasattr(weights, "fill") or hasattr(weights, "fill_chunks")
+    ):
         raise ReshardError(
             f"load_into: weights must be a Swap, a dict of tensors, {{rank: dict}}, a PerRankSource or a "
             f"vLLM WeightSource; got {type(weights).__name__}"

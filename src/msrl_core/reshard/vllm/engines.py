@@ -436,8 +436,11 @@ class MsrlTrainerWeightTransferEngine(TrainerWeightTransferEngine[MsrlTrainerIni
                 with contextlib.suppress(Exception):
                     self.client.finish_weight_update()
 
-    def _send_per_rank(self, source: PerRankSource) -> None:
+    def _send_per_rank(self, source: Any) -> None:
         self.report.layout = "vllm"
+        if hasattr(source, "chunks"):
+            self._send_per_rank_chunks(source)
+            return
         layouts = source.layouts()
         bases, off = {}, 0
         for r in sorted(layouts):
@@ -469,6 +472,46 @@ class MsrlTrainerWeightTransferEngine(TrainerWeightTransferEngine[MsrlTrainerIni
         self._barrier()  # nobody rewrites the buffers before the workers have loaded them
         self.report.send_s = time.perf_counter() - t1
         self.report.per_rank_bytes = {r: layouts[r][1] for r in layouts}
+        self.report.bytes = sum(self.report.per_rank_bytes.values())
+
+    def _send_per_rank_chunks(self, source: Any) -> None:
+        """A streamed per-rank source: one region per inference rank, sized for its largest chunk; after each
+        chunk every writer is done (barrier), rank 0 sends it, and nobody rewrites before it is loaded."""
+        chunks = source.chunks()
+        ranks = sorted(chunks[0])
+        size = {r: max(c[r][1] for c in chunks) for r in ranks}
+        bases, off = {}, 0
+        for r in ranks:
+            bases[r] = off
+            off = _align(off + size[r])
+        if self.info.transport == "shm":
+            buf = self._shm(off).buffer
+            buffers = {r: buf[bases[r] : bases[r] + size[r]] for r in ranks}
+            rel = bases
+        else:
+            dev = "cuda" if self.info.transport == "cuda_ipc" else "cpu"
+            buffers = {r: torch.empty(size[r], dtype=torch.uint8, device=dev) for r in ranks}
+            rel = dict.fromkeys(ranks, 0)
+        fills = source.fill_chunks(buffers)
+        for c in chunks:
+            t0 = time.perf_counter()
+            next(fills)
+            if self.info.transport == "cuda_ipc":
+                torch.cuda.synchronize()
+            self._barrier()
+            self.report.fill_s += time.perf_counter() - t0
+            entries = [
+                Entry(r, n, rel[r] + o, tuple(s), source.dtype)
+                for r in ranks
+                for n, (o, s) in c[r][0].items()
+            ]
+            t1 = time.perf_counter()
+            self._ship("vllm", entries, buffers, off)
+            self._barrier()
+            self.report.send_s += time.perf_counter() - t1
+            for r in ranks:
+                self.report.per_rank_bytes[r] = self.report.per_rank_bytes.get(r, 0) + c[r][1]
+        next(fills, None)  # let the streams finish (their telemetry)
         self.report.bytes = sum(self.report.per_rank_bytes.values())
 
     def _send_hf(self, source: WeightSource) -> None:

@@ -6,6 +6,8 @@
 - :class:`SwapSource`: vLLM's fused per-rank layout for every inference rank, written by
   :func:`~msrl_core.reshard.allgather_swap` straight into the transport's buffer of each rank (no copy in
   between), optionally swapping the training weights out.
+- :class:`StreamSource`: the same layout streamed: chunk ``i`` holds stream bucket ``i`` of every inference
+  rank, so the transport buffer is one bucket per rank.
 - :class:`TensorsSource`: per-rank tensors a trainer already holds (``{rank: {name: tensor}}``).
 """
 
@@ -21,7 +23,7 @@ from ..errors import ReshardError
 from ..plan import ReshardPlan
 from .engines import _align
 
-__all__ = ["BucketSource", "SwapSource", "TensorsSource"]
+__all__ = ["BucketSource", "StreamSource", "SwapSource", "TensorsSource"]
 
 Buckets = Iterable[Sequence[tuple[str, Any]]]
 
@@ -139,13 +141,10 @@ class SwapSource:
     def fill(self, buffers: Mapping[int, Any]) -> None:
         from ..swap import allgather_swap
 
-        tp_i = self.plan.infer.tp
-        calls = -(-tp_i // self.world)
-        mine = self.owned()
-        jobs: list[tuple[int, Any]] = [(r, buffers[r]) for r in mine]
-        while len(jobs) < calls:  # keep the collectives matched: gather into a private buffer
-            r = self.rank % tp_i
-            jobs.append((r, torch.empty(self.plan.infer_layout(r)[1], dtype=torch.uint8)))
+        jobs: list[tuple[int, Any]] = [
+            (r, buffers[r] if write else torch.empty(self.plan.infer_layout(r)[1], dtype=torch.uint8))
+            for r, write in _owned_jobs(self.plan.infer.tp, self.rank, self.world)
+        ]
         for i, (r, buf) in enumerate(jobs):
             last = i == len(jobs) - 1
             s = allgather_swap(
@@ -153,6 +152,91 @@ class SwapSource:
             )
             if last:
                 self.swap = s
+
+
+def _owned_jobs(tp_i: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """``(inference rank, write?)`` per call on trainer rank ``rank``: it owns ``r % world == rank``; every
+    trainer rank makes ``ceil(tp_i / world)`` calls (their gathers are collectives), padding with calls
+    whose output it does not write."""
+    mine = [(r, True) for r in range(tp_i) if r % world == rank]
+    while len(mine) < -(-tp_i // world):
+        mine.append((rank % tp_i, False))
+    return mine
+
+
+class StreamSource:
+    """Per-rank source, streamed: ``stream_buckets(names="vllm")`` for each inference rank this trainer rank
+    owns (``r % world == rank``); chunk ``i`` is stream bucket ``i`` of every inference rank, so the
+    transport holds one bucket per rank and every trainer rank synchronises between buckets. That is safe
+    only when every inference rank's stream yields after the same gather buckets (checked here: true for
+    the usual dense and MoE layouts); otherwise use :class:`SwapSource`."""
+
+    def __init__(
+        self,
+        train_params: Any,
+        plan: ReshardPlan,
+        groups: Mapping[str, Any],
+        *,
+        rank: int = 0,
+        world: int = 1,
+        bucket_bytes: int = 64 << 20,
+        **stream_kw: Any,
+    ) -> None:
+        if plan.layout != "vllm":
+            raise ReshardError(f"StreamSource needs a megatron_to_vllm plan, got {plan!r}")
+        if not 0 <= rank < world:
+            raise ReshardError(f"trainer rank {rank} outside [0, {world})")
+        self.plan, self.groups, self.params = plan, groups, train_params
+        self.rank, self.world, self.bucket_bytes, self.kw = rank, world, bucket_bytes, stream_kw
+        self.dtype = plan.cfg.dtype
+        self._sched = {r: plan.stream_schedule(bucket_bytes, r)[0] for r in range(plan.infer.tp)}
+        steps = {tuple(tuple(sb.gather) for sb in s) for s in self._sched.values()}
+        if len(steps) != 1:
+            raise ReshardError(
+                "the inference ranks' streams gather in different steps for this plan and bucket_bytes; "
+                "use SwapSource (whole ranks) or another bucket_bytes"
+            )
+
+    def chunks(self) -> list[dict[int, tuple[dict[str, tuple[int, tuple[int, ...]]], int]]]:
+        n = len(next(iter(self._sched.values())))
+        return [
+            {
+                r: ({name: (off, shape) for name, off, shape in s[i].tensors}, s[i].nbytes)
+                for r, s in self._sched.items()
+            }
+            for i in range(n)
+        ]
+
+    def fill_chunks(self, buffers: Mapping[int, Any]) -> Iterator[None]:
+        """Fill chunk ``i`` of the ranks this trainer rank owns into ``buffers``, then yield; repeat."""
+        from ..broadcast import _bucket_bytes
+        from ..stream import stream_buckets
+
+        jobs = [
+            (
+                r,
+                write,
+                iter(
+                    stream_buckets(
+                        self.params,
+                        self.plan,
+                        self.groups,
+                        names="vllm",
+                        infer_rank=r,
+                        bucket_bytes=self.bucket_bytes,
+                        **self.kw,
+                    )
+                ),
+            )
+            for r, write in _owned_jobs(self.plan.infer.tp, self.rank, self.world)
+        ]
+        for i in range(len(next(iter(self._sched.values())))):
+            for r, write, it in jobs:
+                bucket = next(it)
+                if write:
+                    nb = self._sched[r][i].nbytes
+                    buffers[r][:nb].copy_(_bucket_bytes(bucket, nb))
+            yield
 
 
 class TensorsSource:
