@@ -37,6 +37,22 @@ def _commit() -> str:
         return "unknown"
 
 
+def bench_model(layers: int = 10):
+    """The bench model: Llama-style, hidden 768, 12 heads / 4 KV heads, FFN 2048, vocab 32000 (112 M
+    parameters at 10 layers), fp32."""
+    from msrl_core.reshard import ModelConfig
+
+    return ModelConfig(
+        "llama",
+        hidden_size=768,
+        num_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+    )
+
+
 def _timed(fn, reps: int, dist) -> tuple[float, list[float]]:
     dist.barrier()
     fn()  # warm-up
@@ -58,19 +74,11 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
 
     import msrl_core
-    from msrl_core.reshard import ModelConfig, Parallel, allgather_swap, megatron_to_vllm, naive_reshard, spec
+    from msrl_core.reshard import Parallel, allgather_swap, megatron_to_vllm, naive_reshard, spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = ModelConfig(
-        "llama",
-        hidden_size=768,
-        num_layers=args.layers,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab_size=32000,
-    )
+    cfg = bench_model(args.layers)
     train, infer = Parallel(tp=world), Parallel(tp=args.infer_tp)
     plan = megatron_to_vllm(cfg, train, infer)
     g = torch.Generator().manual_seed(1000 + rank)

@@ -129,3 +129,22 @@ def test_measured_peak_is_within_shard_plus_one_bucket():
         _consume(stream_buckets(params, plan, {}, bucket_bytes=BUCKET), engine, extra_copy=True)
     assert m2.peak_bytes >= m.peak_bytes + biggest
     print(f"stream peak {m.peak_bytes} B, bound {bound} B, with an extra copy {m2.peak_bytes} B")
+
+
+def test_switcher_stream_uses_its_engine_and_matches_stream_buckets():
+    import msrl_core
+    from msrl_core.reshard import Switcher
+
+    cfg = CONFIGS["qwen3_moe"]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=2, ep=2))
+    params = shards_of(plan)
+    engine = msrl_core.CopyEngine()
+    sw = Switcher(plan, engine=engine)
+    assert sw.engine is engine
+    a = {n: t.clone() for b in sw.stream(params, {}, infer_rank=1, bucket_bytes=BUCKET) for n, t in b}
+    b = {
+        n: t.clone()
+        for b in stream_buckets(params, plan, {}, infer_rank=1, bucket_bytes=BUCKET)
+        for n, t in b
+    }
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)

@@ -176,18 +176,24 @@ def stream_buckets(
     this returns; every rank of the training groups must then consume the iterator to the end. The yielded
     tensors are views into one reused output scratch, valid until the next bucket is requested.
     """
+    owner = plan
+    names_error: ReshardError | None = None  # raised after the ranks' agreement, like every other check
     if names is None:
         names = plan.layout
     if names not in ("hf", "vllm"):
-        raise ReshardError(f"names must be 'hf' or 'vllm', got {names!r}")
-    if names == "vllm" and plan.layout != "vllm":
-        raise ReshardError(
+        names_error = ReshardError(f"names must be 'hf' or 'vllm', got {names!r}")
+    elif names == "vllm" and plan.layout != "vllm":
+        names_error = ReshardError(
             "names='vllm' needs a megatron_to_vllm(cfg, train, infer) plan (it holds the inference TP/EP); "
             f"got {plan!r}"
         )
-    owner = plan
-    if names != plan.layout:
+    elif names != plan.layout:
         plan = plan.hf_plan()
+
+    def check(params: dict[str, Any], rank: int) -> None:
+        if names_error is not None:
+            raise names_error
+
     prep = prepare(
         "stream_buckets",
         train_params,
@@ -197,6 +203,8 @@ def stream_buckets(
         bucket_bytes=bucket_bytes,
         gather=gather,
         timeout=timeout,
+        settings=(names,),
+        extra_check=check,
     )
     if engine is None:
         from .swap import default_switcher

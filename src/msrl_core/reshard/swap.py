@@ -19,7 +19,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ReshardError, SwapStateError, SwitchAborted
@@ -91,21 +91,17 @@ class SwapTelemetry(Mapping):
     swap_in_gbps: float = 0.0
     verified_infer: bool = False
     verified_swap: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         if key in self._names():
             return getattr(self, key)
-        if key in self.extra:
-            return self.extra[key]
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
-        yield from (n for n in self._names() if n != "extra")
-        yield from self.extra
+        yield from self._names()
 
     def __len__(self) -> int:
-        return len(self._names()) - 1 + len(self.extra)
+        return len(self._names())
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:
