@@ -1,6 +1,7 @@
 """allgather-swap resharding: Megatron training layout -> vLLM / Hugging Face inference layout, and the swap
 of the training weights to pinned host memory. See docs/reshard.md."""
 
+from msrl_core.reshard.broadcast import RolloutBroadcast
 from msrl_core.reshard.errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
 from msrl_core.reshard.layout import ModelConfig, Parallel
 from msrl_core.reshard.memory import MemoryProbe
@@ -26,6 +27,7 @@ __all__ = [
     "Parallel",
     "ReshardError",
     "ReshardPlan",
+    "RolloutBroadcast",
     "Swap",
     "StreamBucket",
     "StreamTelemetry",
