@@ -318,3 +318,50 @@ def test_tensordict_in_and_out():
         dict(zip(rows.tolist(), (1, 1, 2, 2)))[int(r)] for r in meta.rows
     ]
     dock.reset()
+
+
+def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
+    """The actors' same-node sockets: a pickled frame runs no code, another uid is refused without an
+    fd, and malformed, truncated and 4 GiB frames close only their own connection."""
+    import os
+    import socket
+
+    from msrl_core.dock import _wire
+    from test_dock_wire import closed_by_peer, other_user_attack, pickled_frames, raw_connect
+
+    dock = make_dock()
+    b = dock._backend
+    rows = dock.put({"prompts": [np.arange(3)] * 8})
+    marker = tmp_path / "pwned"
+    os.chmod(tmp_path, 0o777)
+    paths = [b.endpoint[1]] + [p for _, p in b.wh_endpoints]
+    body = _wire.encode(["echo", [1]])
+    bad = [
+        b"GET / HTTP/1.1\r\n\r\n",
+        _wire.HEADER.pack(_wire.MAGIC, _wire.REQUEST, len(body) + 10) + body,  # truncated
+        _wire.HEADER.pack(_wire.MAGIC, _wire.REQUEST, 4 << 30),  # 4 GiB length header
+        *pickled_frames(str(marker)),
+    ]
+    for path in paths:
+        for frame in bad:
+            s = raw_connect(path)
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            assert closed_by_peer(s)
+            s.close()
+        if os.geteuid() == 0:
+            got = other_user_attack(path, str(marker))
+            assert all(got[k]["fds"] == 0 and got[k]["reply_bytes"] == 0 for k in ("fds", "pickle")), got
+    assert not marker.exists()
+    diags = ray.get([h.diagnostics.remote() for h in [b.controller, *b.warehouses]])
+    for d in diags:
+        assert d["wire"]["malformed"] == 4  # the truncated frame is a closed connection, not a bad frame
+        if os.geteuid() == 0:
+            assert d["wire"]["refused_uid"] == 2
+    # Every actor still serves this client (same-node path): claim, fetch, put.
+    meta = dock.claim("gen", max_rows=8)
+    assert sorted(meta.rows.tolist()) == sorted(rows.tolist())
+    assert dock.fetch(meta)["prompts"].lengths.tolist() == [3] * 8
+    dock.put({"responses": [np.arange(1)] * 8}, rows=meta)
+    assert dock.progress()["score"]["ready_rows"] == 8
+    dock._backend.shutdown()

@@ -81,10 +81,10 @@ py::array_t<int64_t> to_array(std::vector<int64_t>&& v) {
 
 // Inputs of a put: list of (column id, values buffer, lengths array or None). Keeps the Python
 // objects alive in `keep` while the GIL is released.
-std::vector<ColumnInput> parse_inputs(const py::list& cols, std::vector<py::object>& keep) {
+std::vector<ColumnInput> parse_inputs(const py::sequence& cols, std::vector<py::object>& keep) {
   std::vector<ColumnInput> inputs;
   for (const py::handle& h : cols) {
-    py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+    py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
     MSRL_CHECK(t.size() == 3, kInvalidArgument, "put expects (column_id, values, lengths) tuples");
     ColumnInput in;
     in.column = t[0].cast<int>();
@@ -173,7 +173,7 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("num_warehouses", &dock::DockCore::num_warehouses)
       .def(
           "put_new",
-          [](dock::DockCore& d, const py::list& cols, int64_t n) {
+          [](dock::DockCore& d, const py::sequence& cols, int64_t n) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             std::vector<int64_t> rows;
@@ -186,7 +186,7 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("n"))
       .def(
           "put",
-          [](dock::DockCore& d, const py::list& cols, const I64Array& rows, int64_t epoch, int stage) {
+          [](dock::DockCore& d, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
@@ -321,13 +321,13 @@ void bind_dock(py::module_& m) {
            })
       .def(
           "reserve",
-          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
             // [(column, lengths | None)] -> reservations, all or none.
             std::vector<int> ids;
             std::vector<const int64_t*> lens;
             std::vector<I64Array> keep;
             for (const py::handle& h : cols) {
-              py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+              py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
               ids.push_back(t[0].cast<int>());
               if (t[1].is_none()) {
                 lens.push_back(nullptr);
@@ -365,7 +365,7 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("num_rows", &dock::Warehouse::num_rows)
       .def(
           "put",
-          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
             // All columns reserved first, so a failing column leaves every column unchanged.
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);

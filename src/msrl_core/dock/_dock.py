@@ -125,7 +125,7 @@ class Dock:
                 self.columns, self.stages, capacity, group_size, int(warehouses or 1), balance_by
             )
         elif backend == "ray":
-            from msrl_core.dock._ray import RayBackend
+            from msrl_core.dock._client import RayBackend
 
             self._backend = RayBackend(
                 self.columns,
