@@ -331,7 +331,7 @@ def make_system(name: str, capacity: int, group: int):
             warehouses=2,
             backend="ray",
         )
-        return DockClient(dock), lambda: dock._backend.shutdown()
+        return DockClient(dock), dock.shutdown
     if name == "central":
         start_ray(os.cpu_count() or 2)
         from central_buffer import CentralBuffer
@@ -584,5 +584,5 @@ def run_bulk_memory(args, emit) -> None:
         )
         ray.kill(w)
         ray.kill(r)
-        dock._backend.shutdown()
+        dock.shutdown()
     ray.shutdown()

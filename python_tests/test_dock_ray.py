@@ -73,7 +73,7 @@ def test_stages_round_trip(fast_path):
     dock.reset()
     assert dock.stats()["allocated_rows"] == 0
     assert sum(dock.stats()["warehouse_bytes"]) == 0
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_fetch_in_caller_order_across_warehouses():
@@ -85,7 +85,7 @@ def test_fetch_in_caller_order_across_warehouses():
     for k, r in enumerate(shuffled):
         i = src[int(r)]
         assert b["prompts"][k].tolist() == [i] * (i % 4 + 1)
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_bad_input_raises_and_leaves_the_dock_unchanged():
@@ -116,7 +116,7 @@ def test_bad_input_raises_and_leaves_the_dock_unchanged():
             dock.stats()["warehouse_bytes"],
             repr(dock.progress()),
         ) == before
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_failed_put_on_one_warehouse_is_undone_on_the_others():
@@ -136,7 +136,7 @@ def test_failed_put_on_one_warehouse_is_undone_on_the_others():
     assert dock.stats()["allocated_rows"] == 2
     assert sorted(dock.stats()["warehouse_bytes"]) == [0, 16]
     assert len(other) == 2
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_blocked_claim_wakes_on_the_completing_put():
@@ -160,7 +160,7 @@ def test_blocked_claim_wakes_on_the_completing_put():
     t.join(20)
     assert sorted(out["meta"].rows.tolist()) == sorted(rows.tolist())
     assert out["t"] >= t_put
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 @ray.remote(num_cpus=0.1)
@@ -202,7 +202,7 @@ def test_exactly_once_across_processes_and_threads():
     b = dock.fetch(np.arange(total), ["prompts", "responses"])
     for k in range(total):
         np.testing.assert_array_equal(b["responses"][k], b["prompts"][k] * 2)
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def kill_and_wait(handle) -> None:
@@ -270,7 +270,7 @@ def test_stale_claims_and_reset_during_a_fetch_lease_on_the_shared_memory_path()
     with pytest.raises(InvalidArgument, match="aborted by reset"):
         b._wh(int(dock.warehouse_of(rows[:1])[0]), "commit", rid)
     assert dock.stats()["allocated_rows"] == 0
-    b.shutdown()
+    dock.shutdown()
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["shared-memory", "object-store"])
@@ -284,7 +284,7 @@ def test_length_balanced_claims(fast_path):
         meta = dock.claim("score", max_rows=8, max_items=45)
         sizes.append(sum(lens[int(r)] for r in meta.rows))
     assert sizes == [44, 4, 60]
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_partial_reset_is_unsupported_and_changes_nothing():
@@ -295,10 +295,11 @@ def test_partial_reset_is_unsupported_and_changes_nothing():
     meta = dock.claim("gen", max_rows=4)
     with pytest.raises(Unsupported, match="keep_unfinished"):
         dock.reset(keep_unfinished=True)
-    with pytest.raises(NotImplementedError):
-        dock.complete(meta)
     # Nothing was reset: the claim is still current and the rows still hold their prompts.
     dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
+    dock.complete(meta)  # completion is tracked (a completed claim cannot be released)
+    with pytest.raises(InvalidArgument, match="completed"):
+        dock.release(meta)
     assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
     dock.reset()
 
@@ -364,4 +365,4 @@ def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
     assert dock.fetch(meta)["prompts"].lengths.tolist() == [3] * 8
     dock.put({"responses": [np.arange(1)] * 8}, rows=meta)
     assert dock.progress()["score"]["ready_rows"] == 8
-    dock._backend.shutdown()
+    dock.shutdown()

@@ -186,37 +186,38 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("n"))
       .def(
           "put",
-          [](dock::DockCore& d, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage) {
+          [](dock::DockCore& d, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage,
+             uint64_t claim_id) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
-            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage);
+            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
           },
-          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1)
+          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1, py::arg("claim_id") = 0)
       .def(
           "complete",
-          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
-            d.complete(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.complete(stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
           },
-          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
       .def(
           "claim",
           [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
-            uint64_t epoch = 0;
+            uint64_t epoch = 0, claim_id = 0;
             {
               py::gil_scoped_release release;
-              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch, max_items);
+              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch, max_items, &claim_id);
             }
-            return py::make_tuple(to_array(std::move(rows)), epoch);
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
           },
           py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
       .def(
           "release",
-          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
-            d.release(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.release(stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
           },
-          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
       .def_property_readonly("epoch", &dock::DockCore::epoch)
       .def("lengths",
            [](const dock::DockCore& d, int column, const I64Array& rows) {
@@ -489,16 +490,34 @@ void bind_dock(py::module_& m) {
           "claim",
           [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
-            uint64_t epoch = 0;
+            uint64_t epoch = 0, claim_id = 0;
             {
               py::gil_scoped_release release;
-              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items);
+              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items, &claim_id);
             }
-            return py::make_tuple(to_array(std::move(rows)), epoch);
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
           },
           py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
-      .def("release",
-           [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
+      .def(
+          "release",
+          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+            c.release(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+          },
+          py::arg("rows"), py::arg("claim_id") = 0)
+      .def("check_held",
+           [](const dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+             c.check_held(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+           })
+      .def(
+          "complete",
+          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+            c.complete(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+          },
+          py::arg("rows"), py::arg("claim_id") = 0)
+      .def("complete_by_put",
+           [](dock::Controller& c, const std::vector<int>& columns, const I64Array& rows) {
+             return c.complete_by_put(columns, rows.data(), static_cast<size_t>(rows.size()));
+           })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
       .def("reset", [](dock::Controller& c) { c.reset(); })
       .def_property_readonly("epoch", &dock::Controller::epoch)

@@ -49,11 +49,12 @@ def process_diagnostics(server: Server | None) -> dict[str, Any]:
     """Threads, open fds, PSS of this actor process and its wire server's counters (soak checks)."""
     try:
         fds = len(os.listdir("/proc/self/fd"))
+        threads = len(os.listdir("/proc/self/task"))  # OS threads (Ray's pool threads included)
     except OSError:
-        fds = -1
+        fds, threads = -1, threading.active_count()
     return {
         "pid": os.getpid(),
-        "threads": threading.active_count(),
+        "threads": threads,
         "fds": fds,
         "pss_bytes": _pss_bytes(),
         "wire": server.stats() if server is not None else {},
@@ -134,6 +135,12 @@ class ControllerState:
                 f"iteration {current}"
             )
 
+    def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> None:
+        """Before a put into rows: current iteration, allocated, and still held by the claim if any."""
+        self.check_allocated(rows, epoch)
+        if stage >= 0 and claim_id:
+            self.controllers[stage].check_held(rows, claim_id)
+
     def check_allocated(self, rows: np.ndarray, epoch: int = -1) -> None:
         self.check_epoch(epoch)
         with self.lock:
@@ -146,21 +153,39 @@ class ControllerState:
         with self.lock:
             return int(self.allocated.sum()) * self.group_size
 
-    def mark_ready(self, columns: list[int], rows: np.ndarray, lengths: np.ndarray | None = None) -> None:
-        """lengths: row lengths of the length column, when it is among `columns`."""
+    def mark_ready(
+        self,
+        columns: list[int],
+        rows: np.ndarray,
+        lengths: np.ndarray | None = None,
+        stage: int = -1,
+        claim_id: int = 0,
+    ) -> None:
+        """Publishes a put: lengths are the row lengths of the length column, when it is among
+        `columns`; then completes the putting claim (stage, claim_id) or, for plain row ids, the claims
+        of the stages that wrote the columns (Controller.complete_by_put: the one rule)."""
         for c in columns:
             lens = lengths if c == self.length_column else None
             for ctl in self.controllers:
                 ctl.mark_ready(c, rows, lens)
+        if stage >= 0:
+            self.controllers[stage].complete(rows, claim_id)
+            return
+        for ctl in self.controllers:
+            ctl.complete_by_put(list(columns), rows)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
-    ) -> tuple[np.ndarray, int]:
+    ) -> tuple[np.ndarray, int, int]:
         return self.controllers[stage].claim(max_rows, min_rows, timeout, max_items)
 
-    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self.check_epoch(epoch)
-        self.controllers[stage].release(rows)
+        self.controllers[stage].release(rows, claim_id)
+
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self.check_epoch(epoch)
+        self.controllers[stage].complete(rows, claim_id)
 
     def progress(self, stage: int) -> dict:
         return self.controllers[stage].progress()
@@ -188,6 +213,8 @@ class ControllerState:
             "allocate": self.allocate,
             "free": self.free,
             "check_allocated": self.check_allocated,
+            "check_put": self.check_put,
+            "complete": self.complete,
             "release": self.release,
         }
         return Server(ops, "ctl", **wire_options())

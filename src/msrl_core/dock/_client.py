@@ -156,7 +156,7 @@ class RayBackend:
             cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
             if isinstance(cause, MsrlError):
                 raise cause from None
-            raise
+            raise MsrlError(f"{what} failed: {type(cause or e).__name__}: {cause or e}") from None
 
     def _node_id(self) -> str:
         if self._node is None:
@@ -273,7 +273,6 @@ class RayBackend:
             raise
         for w, rid in reserved:
             self._wh(w, "commit", rid)
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, _lengths_of(inputs, self.length_column))
 
     def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
         """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
@@ -312,10 +311,17 @@ class RayBackend:
                 with contextlib.suppress(MsrlError):
                     self._wh(w, "unlease", lid)
 
-    def _put_rows(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> None:
+    def _put_rows(
+        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> None:
         if self._shared():
             self._put_shared(inputs, rows, epoch)
-            return
+        else:
+            self._put_actor_calls(inputs, rows, epoch)
+        lengths = _lengths_of(inputs, self.length_column)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id)
+
+    def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
         parts = self._split(rows)
         refs, used = [], []
         for w, pos in parts:
@@ -346,7 +352,6 @@ class RayBackend:
             for w, pos in ok:
                 self._get(self.warehouses[w].erase.remote(cids, rows[pos]), f"warehouse {w}")
             raise errors[0]
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, _lengths_of(inputs, self.length_column))
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         rows = self._ctl("allocate", n)
@@ -357,23 +362,26 @@ class RayBackend:
             raise
         return rows
 
-    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1) -> None:
-        # stage (claim completion) only matters for a partial reset, which this backend refuses.
-        self._ctl("check_allocated", rows, epoch)
-        self._put_rows(inputs, rows, epoch)
+    def put(
+        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> None:
+        self._ctl("check_put", rows, epoch, stage, claim_id)
+        self._put_rows(inputs, rows, epoch, stage, claim_id)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
-    ) -> tuple[np.ndarray, int]:
-        rows, epoch = self._ctl("claim", stage, max_rows, min_rows, timeout, max_items, wait=timeout)
+    ) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl(
+            "claim", stage, max_rows, min_rows, timeout, max_items, wait=timeout
+        )
         # Order by warehouse (groups stay whole) so a fetch concatenates warehouse answers directly.
         wh = self.warehouse_of(rows)
         if len(wh) and (np.diff(wh) < 0).any():
             rows = rows[np.argsort(wh, kind="stable")]
-        return rows, int(epoch)
+        return rows, int(epoch), int(claim_id)
 
-    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
-        self._ctl("release", stage, rows, epoch)
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._ctl("release", stage, rows, epoch, claim_id)
 
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
@@ -427,8 +435,16 @@ class RayBackend:
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
 
-    def warehouse_bytes(self) -> list[int]:
-        return self._get([h.bytes_held.remote() for h in self.warehouses], "warehouses")
+    def warehouse_status(self) -> list[dict[str, Any]]:
+        """Per warehouse: bytes held, or None with the error when it does not answer (dead)."""
+        refs = [h.bytes_held.remote() for h in self.warehouses]
+        out: list[dict[str, Any]] = []
+        for w, ref in enumerate(refs):
+            try:
+                out.append({"bytes": int(self._get(ref, f"warehouse {w}")), "error": None})
+            except (Unavailable, Timeout) as e:
+                out.append({"bytes": None, "error": str(e)})
+        return out
 
     def op_stats(self) -> dict:
         return {}  # native counters live in the actors; stats() reports this client's latencies
@@ -436,11 +452,8 @@ class RayBackend:
     def allocated_rows(self) -> int:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
 
-    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
-        raise Unsupported(
-            "complete(): claim completion is tracked for reset(keep_unfinished=True), which "
-            "the ray backend does not support yet; use backend='local'"
-        )
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._ctl("complete", stage, rows, epoch, claim_id)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> None:
         if keep_unfinished:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
+from msrl_core.dock._types import MAX_WAIT_S
 from msrl_core.errors import MsrlError, Timeout, Unavailable
 
 MAGIC = b"MSD1"
@@ -383,7 +384,6 @@ class Server:
 
 # ---- client ------------------------------------------------------------------------------------
 
-MAX_WAIT_S = 365 * 86400.0  # claim timeouts are clamped to this (a year): no overflow anywhere
 RPC_MARGIN_S = 30.0  # extra time allowed for an RPC beyond the wait it asks for
 
 
