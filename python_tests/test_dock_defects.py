@@ -113,8 +113,6 @@ def test_a_put_with_plain_row_ids_completes_the_claim(make):
 
 def test_partial_reset_keeps_a_group_until_every_stage_completed_it(make):
     dock = make()
-    if dock.backend == "ray":
-        pytest.skip("reset(keep_unfinished=True) is local-backend only (Ray: Unsupported)")
     rows = dock.put({"prompts": [np.arange(2)] * 4})
     gen = dock.claim("gen", max_rows=4)
     dock.put({"responses": [np.arange(1)] * 4}, rows=gen.rows)  # plain ids: completes gen's claim
@@ -129,6 +127,11 @@ def test_partial_reset_keeps_a_group_until_every_stage_completed_it(make):
     # gen's work survived (completed by the plain-id put): the kept group does not go back to gen.
     assert dock.claim("gen", max_rows=4).rows.size == 0
     assert sorted(dock.claim("update", max_rows=4).rows.tolist()) == sorted(upd.rows[G:].tolist())
+    b = dock.fetch(kept, ["prompts", "responses", "rewards"])  # kept bytes intact (arenas compacted)
+    assert b["prompts"].lengths.tolist() == [2] * G and b["rewards"].tolist() == [1.0] * G
+    assert dock.stats()["allocated_rows"] == G
+    fresh = dock.put({"prompts": [np.arange(3)] * 6})  # the freed rows are reused, the kept ones skipped
+    assert not set(fresh.tolist()) & set(kept.tolist())
 
 
 def test_huge_claim_timeouts_are_clamped(make):

@@ -25,16 +25,21 @@ def row_values(row: int, col: str, it: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64) + row * 1000 + ord(col) * 10 + it
 
 
+def make_dock(**kw) -> Dock:
+    return Dock(
+        columns={c: Column("int64", ragged=True, max_len=8) for c in COLUMNS},
+        stages=STAGES,
+        capacity=CAPACITY,
+        group_size=G,
+        warehouses=3,
+        **kw,
+    )
+
+
 class DockMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.dock = Dock(
-            columns={c: Column("int64", ragged=True, max_len=8) for c in COLUMNS},
-            stages=STAGES,
-            capacity=CAPACITY,
-            group_size=G,
-            warehouses=3,
-        )
+        self.dock = self.make_dock()
         self.it = 0
         self.allocated: list[int] = []
         self.written: dict[str, set[int]] = {c: set() for c in COLUMNS}
@@ -44,6 +49,9 @@ class DockMachine(RuleBasedStateMachine):
         self.placeholder: set[tuple[str, int]] = set()  # cells written by put_new with -1 values
         self.cell_it: dict[tuple[str, int], int] = {}  # iteration a cell was written in
         self.completed: dict[str, set[int]] = {s: set() for s in STAGES}  # claims completed
+
+    def make_dock(self) -> Dock:
+        return make_dock()
 
     def ready(self, stage: str) -> set[int]:
         rows = set(self.allocated)

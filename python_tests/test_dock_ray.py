@@ -287,20 +287,21 @@ def test_length_balanced_claims(fast_path):
     dock.shutdown()
 
 
-def test_partial_reset_is_unsupported_and_changes_nothing():
-    from msrl_core.errors import Unsupported
-
+def test_partial_reset_and_completion_on_ray():
     dock = make_dock()
-    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 4})
+    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 8})
     meta = dock.claim("gen", max_rows=4)
-    with pytest.raises(Unsupported, match="keep_unfinished"):
-        dock.reset(keep_unfinished=True)
-    # Nothing was reset: the claim is still current and the rows still hold their prompts.
     dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
     dock.complete(meta)  # completion is tracked (a completed claim cannot be released)
     with pytest.raises(InvalidArgument, match="completed"):
         dock.release(meta)
-    assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
+    kept = dock.reset(keep_unfinished=True)
+    assert sorted(kept.tolist()) == sorted(rows.tolist())  # no group was completed by every stage
+    rest = dock.claim("gen", max_rows=8)  # only the groups gen never claimed come back to gen
+    assert sorted(rest.rows.tolist()) == sorted(set(rows.tolist()) - set(meta.rows.tolist()))
+    score = dock.take("score", max_rows=8)
+    assert sorted(score.rows.tolist()) == sorted(meta.rows.tolist())
+    assert score["responses"].lengths.tolist() == [2] * 4
     dock.reset()
 
 

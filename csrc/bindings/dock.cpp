@@ -433,7 +433,18 @@ void bind_dock(py::module_& m) {
            })
       .def("bytes_held", &dock::Warehouse::bytes_held)
       .def(
-          "reset", [](dock::Warehouse& w) { w.reset(); }, py::call_guard<py::gil_scoped_release>());
+          "reset",
+          [](dock::Warehouse& w, py::object keep_rows) {
+            if (keep_rows.is_none()) {
+              py::gil_scoped_release release;
+              w.reset();
+              return;
+            }
+            std::vector<int64_t> keep = keep_rows.cast<std::vector<int64_t>>();
+            py::gil_scoped_release release;
+            w.reset(keep);
+          },
+          py::arg("keep_rows") = py::none(), "Forgets every row but keep_rows (their bytes are compacted).");
 
   py::class_<dock::Reservation, std::shared_ptr<dock::Reservation>>(
       m, "Reservation", "Rows of one column reserved in a warehouse arena, not yet readable.")
@@ -519,7 +530,19 @@ void bind_dock(py::module_& m) {
              return c.complete_by_put(columns, rows.data(), static_cast<size_t>(rows.size()));
            })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
-      .def("reset", [](dock::Controller& c) { c.reset(); })
+      .def(
+          "reset",
+          [](dock::Controller& c, py::object keep_groups) {
+            if (keep_groups.is_none()) {
+              c.reset();
+              return;
+            }
+            c.reset(keep_groups.cast<std::vector<uint8_t>>());
+          },
+          py::arg("keep_groups") = py::none(),
+          "Next iteration; keep_groups (one flag per group) keeps those groups' readiness and completed claims "
+          "(partial reset).")
+      .def("group_completed", &dock::Controller::group_completed)
       .def_property_readonly("epoch", &dock::Controller::epoch)
       .def("close", &dock::Controller::close);
 }

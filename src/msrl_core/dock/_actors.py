@@ -89,7 +89,8 @@ class ControllerState:
                 if nxt[w] < ge:
                     order.append(nxt[w])
                     nxt[w] += 1
-        self.free_order = np.array(order, dtype=np.int64)
+        self.order = np.array(order, dtype=np.int64)  # every group, interleaved over the warehouses
+        self.free_order = self.order  # less the groups a partial reset kept
         self.lock = threading.Lock()
         self.allocated = np.zeros(groups, dtype=bool)
         self.next_free = 0
@@ -190,15 +191,25 @@ class ControllerState:
     def progress(self, stage: int) -> dict:
         return self.controllers[stage].progress()
 
-    def reset(self) -> int:
-        """Next iteration; blocked claims keep waiting. Returns the new epoch."""
+    def reset(self, keep_unfinished: bool = False) -> tuple[int, np.ndarray]:
+        """Next iteration; blocked claims keep waiting. Returns the new epoch and the kept rows.
+        keep_unfinished: groups not *finished* (completed by every stage: Controller.group_completed,
+        the rule DockCore applies too) keep their readiness and completed claims; new puts skip them."""
+        g = self.group_size
         with self.lock:
+            keep = np.zeros(len(self.allocated), dtype=np.uint8)
+            if keep_unfinished:
+                for grp in np.flatnonzero(self.allocated).tolist():
+                    keep[grp] = not all(c.group_completed(grp) for c in self.controllers)
             for c in self.controllers:
-                c.reset()
-            self.allocated[:] = False
+                c.reset(keep if keep.any() else None)
+            self.allocated[:] = keep.astype(bool)
+            self.free_order = self.order[keep[self.order] == 0]
             self.next_free = 0
             self.returned = []
-        return int(self.controllers[0].epoch)
+        kept = np.flatnonzero(keep)
+        rows = (kept[:, None] * g + np.arange(g)[None, :]).reshape(-1).astype(np.int64)
+        return int(self.controllers[0].epoch), rows
 
     def close(self) -> None:
         self.closed = True
@@ -371,7 +382,8 @@ class WarehouseActor:
         with self.lock:
             self._check_idle()
 
-    def reset(self, epoch: int, force: bool = False) -> None:
+    def reset(self, epoch: int, force: bool = False, keep_rows: np.ndarray | None = None) -> None:
+        """keep_rows (partial reset): rows of this warehouse that stay, their bytes compacted."""
         with self.lock:
             if force:  # puts and fetches of clients that died (or are still running) are abandoned
                 for res in self.pending.values():
@@ -379,7 +391,7 @@ class WarehouseActor:
                 self.pending.clear()
                 self.leases.clear()
             self._check_idle()
-            self.wh.reset()
+            self.wh.reset(None if keep_rows is None or not len(keep_rows) else keep_rows)
             self.epoch = epoch
 
     def _check_idle(self) -> None:

@@ -26,7 +26,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import RPC_MARGIN_S, Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
 
 try:
     import ray
@@ -455,18 +455,17 @@ class RayBackend:
     def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self._ctl("complete", stage, rows, epoch, claim_id)
 
-    def reset(self, force: bool = False, keep_unfinished: bool = False) -> None:
-        if keep_unfinished:
-            raise Unsupported(
-                "reset(keep_unfinished=True) (partial rollout) is not supported by the ray "
-                "backend yet; use backend='local'. Nothing was reset"
-            )
+    def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
         # starting between this check and the warehouse resets can still make one of them refuse).
         if not force:
             self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
-        epoch = self._get(self.controller.call.remote("reset"), "controller")
-        self._get([h.reset.remote(epoch, force) for h in self.warehouses], "warehouses")
+        epoch, kept = self._get(self.controller.call.remote("reset", keep_unfinished), "controller")
+        per_wh = {w: kept[pos] for w, pos in self._split(kept)}
+        empty = np.empty(0, np.int64)
+        refs = [h.reset.remote(epoch, force, per_wh.get(w, empty)) for w, h in enumerate(self.warehouses)]
+        self._get(refs, "warehouses")
+        return kept
 
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):

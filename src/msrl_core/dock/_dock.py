@@ -395,7 +395,7 @@ class Dock:
         and each stage keeps the claims it *completed* (a put with the Claim/Batch, or ``complete()``),
         so no stage gets a row twice; a claim not completed does not survive the reset and its group is
         claimable again by that stage (first in line). New puts use the freed rows. Returns the kept
-        row ids (empty without ``keep_unfinished``). Local backend only (Ray: ``Unsupported``)."""
+        row ids (empty without ``keep_unfinished``). Both backends apply the same native rules."""
         kept = self._backend.reset(force, keep_unfinished)
         return np.empty(0, np.int64) if kept is None else kept
 
