@@ -126,6 +126,6 @@ def test_bad_input_is_refused_and_pins_nothing():
 
 def test_ray_backend_refuses_views_clearly():
     dock = views_dock()
-    dock.backend = "ray"  # the check is in Dock.fetch, before any backend call
+    dock._backend.views = False  # as the ray backend says; checked in Dock.fetch before any backend call
     with pytest.raises(Unsupported, match="local-backend only"):
         dock.fetch(np.arange(2), ["rewards"], copy=False)

@@ -26,7 +26,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import RPC_MARGIN_S, Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
 
 try:
     import ray
@@ -53,6 +53,8 @@ class _ThreadConns:
 
 class RayBackend:
     name = "ray"
+    views = False  # zero-copy views of the shared arenas: not built for Ray yet
+    picklable = True
 
     def __init__(
         self,
@@ -431,6 +433,11 @@ class RayBackend:
             padded[mask] = arr
             arr = padded
         return arr, lengths
+
+    def fetch_view(
+        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
+    ) -> tuple[np.ndarray, Any, bool]:
+        raise Unsupported("zero-copy views (fetch(copy=False)) are not built for the ray backend")
 
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.dock._backend import Backend
 from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._types import (
     MAX_WAIT_S,
@@ -49,6 +50,29 @@ class _Latencies:
             return {"p50_us": math.nan, "p99_us": math.nan}
         arr = np.fromiter(self.samples, dtype=np.float64)
         return {"p50_us": float(np.percentile(arr, 50)) * 1e6, "p99_us": float(np.percentile(arr, 99)) * 1e6}
+
+
+def _make_backend(
+    backend: str,
+    columns: dict[str, Column],
+    stages: dict[str, list[str]],
+    capacity: int,
+    group_size: int,
+    warehouses: int | None,
+    balance_by: str | None,
+    options: dict[str, Any],
+) -> Backend:
+    if backend == "local":
+        from msrl_core.dock._local import LocalBackend
+
+        if options:
+            raise InvalidArgument(f"unknown options for the local backend: {sorted(options)}")
+        return LocalBackend(columns, stages, capacity, group_size, int(warehouses or 1), balance_by)
+    if backend == "ray":
+        from msrl_core.dock._client import RayBackend
+
+        return RayBackend(columns, stages, capacity, group_size, warehouses, balance_by=balance_by, **options)
+    raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
 
 
 class Dock:
@@ -119,28 +143,9 @@ class Dock:
         self.output = output
         self._column_ids = {name: i for i, name in enumerate(self.columns)}
         self._stage_ids = {name: i for i, name in enumerate(self.stages)}
-        if backend == "local":
-            from msrl_core.dock._local import LocalBackend
-
-            if backend_options:
-                raise InvalidArgument(f"unknown options for the local backend: {sorted(backend_options)}")
-            self._backend: Any = LocalBackend(
-                self.columns, self.stages, capacity, group_size, int(warehouses or 1), balance_by
-            )
-        elif backend == "ray":
-            from msrl_core.dock._client import RayBackend
-
-            self._backend = RayBackend(
-                self.columns,
-                self.stages,
-                capacity,
-                group_size,
-                warehouses,
-                balance_by=balance_by,
-                **backend_options,
-            )
-        else:
-            raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
+        self._backend: Backend = _make_backend(
+            backend, self.columns, self.stages, capacity, group_size, warehouses, balance_by, backend_options
+        )
         self.backend = backend
         self._shut_down = False
         self._lat = {op: _Latencies() for op in ("put", "claim", "fetch")}
@@ -331,7 +336,7 @@ class Dock:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
         check_device_output(device, output, copy)
         if not copy:
-            if self.backend != "local":
+            if not self._backend.views:
                 raise Unsupported(
                     f"fetch(copy=False) (zero-copy views) is local-backend only; this dock's backend is "
                     f"{self.backend!r}: fetch with copy=True"
@@ -422,7 +427,7 @@ class Dock:
 
     def __getstate__(self) -> dict[str, Any]:
         # A dock handle can be sent to other processes (Ray tasks and actors) with the ray backend.
-        if self.backend != "ray":
+        if not self._backend.picklable:
             raise InvalidArgument("only a backend='ray' dock can be pickled (local docks stay in-process)")
         state = dict(self.__dict__)
         del state["_lat_lock"], state["_lat"]

@@ -19,6 +19,8 @@ def column_tuples(columns: dict[str, Column], rows_per_warehouse: int) -> list[t
 
 class LocalBackend:
     name = "local"
+    views = True
+    picklable = False
 
     def __init__(
         self,
