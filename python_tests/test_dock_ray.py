@@ -367,3 +367,45 @@ def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
     dock.put({"responses": [np.arange(1)] * 8}, rows=meta)
     assert dock.progress()["score"]["ready_rows"] == 8
     dock.shutdown()
+
+
+@ray.remote(num_cpus=0.05, max_retries=0)
+def reserve_and_die(dock: Dock, warehouse: int, rows: np.ndarray) -> None:
+    """A client that reserved rows in a warehouse arena and died before committing."""
+    import os
+
+    dock._backend._wh(warehouse, "reserve", [(1, np.ones(len(rows), np.int64))], rows, -1)
+    os._exit(1)
+
+
+def test_faults_leave_the_others_served_and_committed_rows_intact():
+    dock = make_dock(op_timeout=10.0)
+    rows = dock.put({"prompts": [np.arange(3) + i for i in range(8)]})
+    src = {int(r): np.arange(3) + i for i, r in enumerate(rows)}
+    wh = dock.warehouse_of(rows)
+    # A client killed between reserve and commit: nothing it reserved becomes readable, the others go on.
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(reserve_and_die.remote(dock, 0, rows[wh == 0]), timeout=60)
+    assert dock.progress()["score"]["ready_rows"] == 0
+    assert len(dock.claim("gen", max_rows=8)) == 8
+    dock.put({"rewards": np.arange(8, dtype=np.float32)}, rows=rows)
+    with pytest.raises(InvalidArgument, match="being written"):  # until reset(force=True) aborts it
+        dock.put({"responses": [np.arange(1)] * 8}, rows=rows)
+    with pytest.raises(InvalidArgument, match="in flight"):
+        dock.reset()  # the dead client's reservation is still registered
+    # A warehouse killed: calls that need it raise Unavailable within op_timeout; the survivor serves.
+    kill_and_wait(dock._backend.warehouses[1])
+    for fn in (
+        lambda: dock.fetch(rows, ["prompts"]),
+        lambda: dock.put({"responses": [np.arange(1)] * 4}, rows=rows[wh == 1]),
+    ):
+        t0 = time.perf_counter()
+        with pytest.raises(Unavailable, match="warehouse 1"):
+            fn()
+        assert time.perf_counter() - t0 < 10.0
+    alive = rows[wh == 0]
+    b = dock.fetch(alive, ["prompts", "rewards"])
+    for k, r in enumerate(alive.tolist()):
+        assert b["prompts"][k].tolist() == src[r].tolist()
+        assert b["rewards"][k] == float(rows.tolist().index(r))
+    dock.shutdown()

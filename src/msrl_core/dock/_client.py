@@ -25,7 +25,7 @@ from msrl_core import _core
 from msrl_core.dock._actors import ControllerActor, WarehouseActor
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
-from msrl_core.dock._wire import RPC_MARGIN_S, Connection
+from msrl_core.dock._wire import Connection
 from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
 
 try:
@@ -182,12 +182,12 @@ class RayBackend:
         return conn
 
     def _rpc(self, conn: Connection, op: str, args: tuple, wait: float, fds: bool = False) -> Any:
-        return conn.call(op, args, wait, fds)
+        return conn.call(op, args, wait, fds, margin=self.op_timeout)  # op_timeout on every path
 
     def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
         conn = self._conn("controller", self.endpoint)
         if conn is None:
-            return self._get(self.controller.call.remote(op, *args), "controller", wait + RPC_MARGIN_S)
+            return self._get(self.controller.call.remote(op, *args), "controller", wait + self.op_timeout)
         return self._rpc(conn, op, args, wait)
 
     def _wh(self, w: int, op: str, *args: Any) -> Any:

@@ -384,7 +384,7 @@ class Server:
 
 # ---- client ------------------------------------------------------------------------------------
 
-RPC_MARGIN_S = 30.0  # extra time allowed for an RPC beyond the wait it asks for
+RPC_MARGIN_S = 30.0  # default time allowed for an RPC beyond the wait it asks for (op_timeout)
 
 
 class Connection:
@@ -414,15 +414,18 @@ class Connection:
     def __del__(self) -> None:
         self.close()
 
-    def call(self, op: str, args: tuple | list, wait: float = 0.0, fds: bool = False) -> Any:
-        """Sends one request and returns the reply value (with `fds`: (value, fds))."""
+    def call(
+        self, op: str, args: tuple | list, wait: float = 0.0, fds: bool = False, margin: float = RPC_MARGIN_S
+    ) -> Any:
+        """Sends one request and returns the reply value (with `fds`: (value, fds)). The reply must come
+        within `wait` (the time the operation may block, e.g. a claim's timeout) + `margin` seconds."""
         now = time.monotonic()
         if self.sock is not None and now - self.last_used > self.idle_reconnect:
             self.close()  # the server may have closed it as idle
         if self.sock is None:
             self.sock = self._connect()
         sock = self.sock
-        limit = min(wait, MAX_WAIT_S) + RPC_MARGIN_S
+        limit = min(wait, MAX_WAIT_S) + margin
         got_fds: list[int] = []
         body = encode([op, list(args)])
         try:
