@@ -209,6 +209,18 @@ class Batch(Mapping):
     def __repr__(self) -> str:
         return f"Batch(rows={len(self.rows)}, columns={list(self._data)})"
 
+    def drop(self) -> None:
+        """Drops this batch's columns (zero-copy views included: once no other reference to those
+        arrays is left, their pin on the iteration is gone and ``reset()`` may run)."""
+        self._data = {}
+        self.views = frozenset()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()  # ``with dock.fetch(meta, copy=False) as batch:`` unpins the views at the end
+
 
 RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
 
