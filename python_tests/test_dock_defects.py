@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from dock_util import init_local_ray
 from msrl_core import Claim, Column, Dock
 from msrl_core.errors import Closed, InvalidArgument, MsrlError, NotFound, Unavailable
 
@@ -21,13 +22,7 @@ G = 2
 @pytest.fixture(scope="module")
 def ray_up():
     ray = pytest.importorskip("ray")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 1024 * 1024,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    init_local_ray(100)
     yield ray
     ray.shutdown()
 

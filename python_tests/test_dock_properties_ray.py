@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from dock_util import init_local_ray
 from msrl_core import Dock
 from test_dock_properties import DockMachine, make_dock
 
@@ -16,13 +17,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_up():
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 1024 * 1024,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    init_local_ray(100)
     yield
     ray.shutdown()
 

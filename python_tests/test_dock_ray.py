@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from dock_util import init_local_ray
 from msrl_core import Column, Dock, Ragged
 from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory, Timeout, Unavailable
 
@@ -17,13 +18,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(
-        num_cpus=2,
-        object_store_memory=200 * 1024 * 1024,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    init_local_ray(200)
     yield
     ray.shutdown()
 
