@@ -232,7 +232,8 @@ class Dock:
             min_rows = 0 if timeout == 0 else self.group_size
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidArgument(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-        timeout = min(float(timeout), MAX_WAIT_S)  # a year: longer waits would overflow deadlines
+        if timeout > MAX_WAIT_S:  # a year: longer waits would overflow deadlines
+            timeout = MAX_WAIT_S
         items = 0
         if max_items is not None:
             if self.balance_by is None:
@@ -244,7 +245,7 @@ class Dock:
             items = int(max_items)
         rows, epoch, claim_id = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout), items)
         self._record("claim", t0)
-        return Claim(stage, rows, self._backend.warehouse_of, epoch, claim_id)
+        return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id)
 
     def release(self, meta: Claim | Batch) -> None:
         """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again.
