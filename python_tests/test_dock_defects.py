@@ -250,7 +250,8 @@ def test_short_lived_threads_leave_no_threads_or_fds_behind(make):
     after = settled(base)
     for (t0, f0, o0), (t1, f1, o1) in zip(base, after):
         assert o1 <= o0, (base, after)  # connections of ended threads are closed
-        assert t1 <= t0 + 2 and f1 <= f0 + 2, (base, after)  # flat (was +200 threads and fds)
+        # Flat: a leak was +200 threads and fds; Ray's own pools may add a few threads under load.
+        assert t1 <= t0 + 8 and f1 <= f0 + 4, (base, after)
     assert len(os.listdir("/proc/self/fd")) <= client_fds + 2
 
 
