@@ -252,7 +252,7 @@ def test_short_lived_threads_leave_no_threads_or_fds_behind(make):
         assert o1 <= o0, (base, after)  # connections of ended threads are closed
         # Flat: a leak was +200 threads and fds; Ray's own pools may add a few threads under load.
         assert t1 <= t0 + 8 and f1 <= f0 + 4, (base, after)
-    assert len(os.listdir("/proc/self/fd")) <= client_fds + 2
+    assert len(os.listdir("/proc/self/fd")) <= client_fds + 8  # a leak was 3 per thread
 
 
 def test_shutdown_and_context_manager(make):
