@@ -324,7 +324,13 @@ def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
     import socket
 
     from msrl_core.dock import _wire
-    from test_dock_wire import closed_by_peer, other_user_attack, pickled_frames, raw_connect
+    from test_dock_wire import (
+        can_switch_user,
+        closed_by_peer,
+        other_user_attack,
+        pickled_frames,
+        raw_connect,
+    )
 
     dock = make_dock()
     b = dock._backend
@@ -346,14 +352,14 @@ def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
             s.shutdown(socket.SHUT_WR)
             assert closed_by_peer(s)
             s.close()
-        if os.geteuid() == 0:
+        if can_switch_user():
             got = other_user_attack(path, str(marker))
             assert all(got[k]["fds"] == 0 and got[k]["reply_bytes"] == 0 for k in ("fds", "pickle")), got
     assert not marker.exists()
     diags = ray.get([h.diagnostics.remote() for h in [b.controller, *b.warehouses]])
     for d in diags:
         assert d["wire"]["malformed"] == 4  # the truncated frame is a closed connection, not a bad frame
-        if os.geteuid() == 0:
+        if can_switch_user():
             assert d["wire"]["refused_uid"] == 2
     # Every actor still serves this client (same-node path): claim, fetch, put.
     meta = dock.claim("gen", max_rows=8)
