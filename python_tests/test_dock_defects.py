@@ -187,8 +187,10 @@ def test_debug_mode_adds_the_source_location():
 def test_stats_reports_a_dead_warehouse_per_warehouse(make):
     dock = make()
     rows = dock.put({"prompts": [np.arange(2)] * 8})
+    s = dock.stats()
+    assert (s["ops"]["put"]["count"], s["ops"]["put"]["rows"]) == (1, 8)  # dock-wide counters, both backends
+    assert s["ops"]["claim"]["count"] == 0 and s["ops"]["put"]["p50_us"] > 0
     if dock.backend == "local":
-        s = dock.stats()
         assert [w["error"] for w in s["warehouses"]] == [None, None] and sum(s["warehouse_bytes"]) == 8 * 16
         return
     from test_dock_ray import kill_and_wait

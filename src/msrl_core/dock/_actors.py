@@ -98,6 +98,8 @@ class ControllerState:
         self.in_flight = 0
         self.sock_path = ""
         self.closed = False
+        # Dock-wide operation counters (every client's), as DockCore's op_stats: count and rows.
+        self.ops = {op: {"count": 0, "rows": 0} for op in ("put", "claim")}
 
     # allocation
     def allocate(self, n: int) -> np.ndarray:
@@ -169,6 +171,7 @@ class ControllerState:
             lens = lengths if c == self.length_column else None
             for ctl in self.controllers:
                 ctl.mark_ready(c, rows, lens)
+        self._count("put", len(rows))
         if stage >= 0:
             self.controllers[stage].complete(rows, claim_id)
             return
@@ -178,7 +181,18 @@ class ControllerState:
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
     ) -> tuple[np.ndarray, int, int]:
-        return self.controllers[stage].claim(max_rows, min_rows, timeout, max_items)
+        got = self.controllers[stage].claim(max_rows, min_rows, timeout, max_items)
+        self._count("claim", len(got[0]))
+        return got
+
+    def _count(self, op: str, rows: int) -> None:
+        with self.lock:
+            self.ops[op]["count"] += 1
+            self.ops[op]["rows"] += rows
+
+    def op_stats(self) -> dict:
+        with self.lock:
+            return {op: dict(c) for op, c in self.ops.items()}
 
     def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self.check_epoch(epoch)

@@ -454,7 +454,8 @@ class RayBackend:
         return out
 
     def op_stats(self) -> dict:
-        return {}  # native counters live in the actors; stats() reports this client's latencies
+        """Dock-wide put/claim counts and rows (the controller's); latencies are this client's."""
+        return self._get(self.controller.call.remote("op_stats"), "controller")
 
     def allocated_rows(self) -> int:
         return self._get(self.controller.call.remote("allocated_rows"), "controller")
