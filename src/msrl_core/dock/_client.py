@@ -483,7 +483,8 @@ class RayBackend:
         """Kills the actors of this dock."""
         _close_all(self._threads)
         for h in [self.controller, *self.warehouses]:
-            ray.kill(h)
+            with contextlib.suppress(Exception):  # already dead, or Ray shutting down: nothing to kill
+                ray.kill(h)
 
 
 def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:
