@@ -310,7 +310,9 @@ def start_ray(num_cpus: int) -> None:
 def make_system(name: str, capacity: int, group: int):
     import ray
 
-    if name == "dock-ray":
+    if name in ("dock-ray", "dock-ray-xnode"):
+        # dock-ray-xnode: the path of clients on another node (Ray actor calls and the object store; no
+        # same-node socket, no shared arenas), forced on this one node with fast_path=False.
         start_ray(os.cpu_count() or 2)
         from msrl_core import Column, Dock
 
@@ -330,8 +332,9 @@ def make_system(name: str, capacity: int, group: int):
             group_size=group,
             warehouses=2,
             backend="ray",
+            fast_path=name == "dock-ray",
         )
-        return DockClient(dock), lambda: dock._backend.shutdown()
+        return DockClient(dock), dock.shutdown
     if name == "central":
         start_ray(os.cpu_count() or 2)
         from central_buffer import CentralBuffer
@@ -486,19 +489,23 @@ def run_grpo(args, emit) -> None:
                         b["claim_uncontended"]["p50_us"] / row["claim_uncontended"]["p50_us"], 2
                     )
         emit(**row)
-    if "dock-ray" in results:  # ratios against baselines that ran after the dock
-        d = results["dock-ray"]
-        summary = {"case": "grpo_summary"}
+    summary: dict = {"case": "grpo_summary"}
+    for dname, key in (("dock-ray", "dock"), ("dock-ray-xnode", "dock_xnode")):
+        if dname not in results:  # ratios against baselines that ran after the dock
+            continue
+        d = results[dname]
         for base in ("central", "tq"):
             if base in results:
                 b = results[base]
-                summary[f"dock_samples_per_s_over_{base}"] = round(d["samples_per_s"] / b["samples_per_s"], 2)
-                summary[f"dock_claim_p50_lower_x_vs_{base}"] = round(
+                ratio = d["samples_per_s"] / b["samples_per_s"]
+                summary[f"{key}_samples_per_s_over_{base}"] = round(ratio, 2)
+                summary[f"{key}_claim_p50_lower_x_vs_{base}"] = round(
                     b["claim_uncontended"]["p50_us"] / d["claim_uncontended"]["p50_us"], 2
                 )
-                summary[f"dock_peak_mem_over_{base}"] = round(
+                summary[f"{key}_peak_mem_over_{base}"] = round(
                     d["peak_pss_over_step_payload"] / b["peak_pss_over_step_payload"], 2
                 )
+    if len(summary) > 1:
         emit(**summary)
 
 
@@ -584,5 +591,5 @@ def run_bulk_memory(args, emit) -> None:
         )
         ray.kill(w)
         ray.kill(r)
-        dock._backend.shutdown()
+        dock.shutdown()
     ray.shutdown()

@@ -419,6 +419,7 @@ TEST(DockCore, PartialResetKeepsUnfinishedGroupsAndReusesFreedRows) {
   std::vector<float> rw = {0.25f, 0.75f};
   d.put({ColumnInput{2, rw.data(), 8, nullptr}}, g0.data(), 2, 0, 1);
   EXPECT_EQ(d.claim(2, 4, 0, 0), g0);
+  d.complete(2, g0.data(), 2);  // update writes nothing: it completes its claim
 
   auto kept = d.reset(true);
   EXPECT_EQ(kept, (std::vector<int64_t>{std::min(g1[0], g2[0]), std::min(g1[0], g2[0]) + 1, std::max(g1[0], g2[0]),
@@ -467,7 +468,10 @@ TEST(DockCore, PartialResetWithEverythingFinishedFreesAll) {
   auto rows = d.put_new({ColumnInput{0, p.data(), 16, l.data()}}, 2);
   std::vector<float> rw = {1.f, 2.f};
   d.put({ColumnInput{1, p.data(), 16, l.data()}, ColumnInput{2, rw.data(), 8, nullptr}}, rows.data(), 2);
-  for (int s = 0; s < 3; ++s) EXPECT_EQ(d.claim(s, 2, 2, 0), rows);
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(d.claim(s, 2, 2, 0), rows);
+    d.complete(s, rows.data(), 2);
+  }
   EXPECT_TRUE(d.reset(true).empty());
   EXPECT_EQ(d.allocated_rows(), 0);
   EXPECT_EQ(d.warehouse(0).bytes_held(), 0);
@@ -507,4 +511,71 @@ TEST(DockCore, ViewsAreZeroCopyAndPinTheIteration) {
   d.reset();
   EXPECT_EQ(code_of([&] { d.view(0, rows.data(), 2, &data, &nbytes, lens.data(), 0); }), Code::kInvalidArgument);
   EXPECT_EQ(d.live_views(), 0);
+}
+
+TEST(Controller, ClaimIdentityIsCheckedByReleaseAndComplete) {
+  Controller c("s", 4, 2, {0});
+  mark(c, 0, {0, 1});
+  uint64_t a = 0, b = 0;
+  auto rows = c.claim(2, 0, 0, nullptr, 0, &a);
+  ASSERT_EQ(rows, (std::vector<int64_t>{0, 1}));
+  EXPECT_NE(a, 0u);
+  c.release(rows.data(), 2, a);
+  EXPECT_EQ(c.claim(2, 0, 0, nullptr, 0, &b), rows);  // another worker holds the rows now
+  EXPECT_NE(a, b);
+  EXPECT_EQ(code_of([&] { c.release(rows.data(), 2, a); }), Code::kInvalidArgument);  // stale: refused
+  EXPECT_EQ(code_of([&] { c.complete(rows.data(), 2, a); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { c.check_held(rows.data(), 2, a); }), Code::kInvalidArgument);
+  c.check_held(rows.data(), 2, b);
+  EXPECT_EQ(c.progress().consumed_rows, 2);
+  EXPECT_TRUE(c.claim(2, 0, 0).empty());  // not re-delivered
+  c.complete(rows.data(), 2, b);
+  EXPECT_TRUE(c.group_completed(0));
+  EXPECT_EQ(code_of([&] { c.release(rows.data(), 2, b); }), Code::kInvalidArgument);  // completed
+  EXPECT_EQ(code_of([&] { c.release(rows.data(), 2); }), Code::kInvalidArgument);
+  EXPECT_TRUE(c.claim(2, 0, 0).empty());
+}
+
+TEST(Controller, HugeTimeoutsAreClampedNotOverflowed) {
+  Controller c("s", 4, 2, {0});
+  std::vector<int64_t> got;
+  std::thread t([&] { got = c.claim(2, 2, 1e10); });  // would overflow a nanosecond deadline
+  while (c.progress().waiting_claims == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  mark(c, 0, {2, 3});
+  t.join();
+  EXPECT_EQ(got, (std::vector<int64_t>{2, 3}));
+}
+
+TEST(Controller, PlainPutCompletesTheClaimsOfStagesThatWroteTheColumns) {
+  Controller c("gen", 4, 2, {0});
+  mark(c, 0, {0, 1, 2, 3});
+  auto rows = c.claim(2, 0, 0);
+  std::vector<int64_t> other = {2, 3};
+  EXPECT_FALSE(c.complete_by_put({0}, rows.data(), 2));   // the stage reads column 0: not its output
+  EXPECT_FALSE(c.complete_by_put({1}, other.data(), 2));  // not claimed by this stage
+  EXPECT_FALSE(c.group_completed(0));
+  EXPECT_TRUE(c.complete_by_put({1}, rows.data(), 2));
+  EXPECT_TRUE(c.group_completed(0));
+  EXPECT_FALSE(c.group_completed(1));
+}
+
+TEST(DockCore, FinishedMeansCompletedByEveryStage) {
+  DockCore d(small_config(1));  // stages: 0 reads col 0; 1 reads cols 0, 1; 2 reads cols 0, 1, 2
+  std::vector<int64_t> l = {1, 1, 1, 1};
+  std::vector<int64_t> p = {5, 6, 7, 8};
+  auto rows = d.put_new({ColumnInput{0, p.data(), 32, l.data()}}, 4);
+  uint64_t epoch = 0, id = 0;
+  auto gen = d.claim(0, 4, 4, 0, &epoch, 0, &id);
+  d.put({ColumnInput{1, p.data(), 32, l.data()}}, gen.data(), 4);  // plain ids: completes stage 0's claim
+  std::vector<float> rw = {1.f, 2.f, 3.f, 4.f};
+  d.put({ColumnInput{2, rw.data(), 16, nullptr}}, rows.data(), 4);
+  auto s1 = d.claim(1, 4, 4, 0, &epoch, 0, &id);
+  d.complete(1, s1.data(), 4, 0, id);
+  auto s2 = d.claim(2, 4, 4, 0, &epoch, 0, &id);
+  d.complete(2, s2.data(), 2, 0, id);  // the last stage completes only its first group
+  auto kept = d.reset(true);
+  EXPECT_EQ(kept, std::vector<int64_t>(s2.begin() + 2, s2.end()));
+  EXPECT_TRUE(d.claim(0, 4, 0, 0).empty());  // stage 0 completed the kept group by the plain put
+  EXPECT_TRUE(d.claim(1, 4, 0, 0).empty());
+  EXPECT_EQ(d.claim(2, 4, 0, 0), kept);  // the last stage's open claim went back to it
 }

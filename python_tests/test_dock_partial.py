@@ -105,7 +105,8 @@ def test_freed_rows_are_reused_and_kept_rows_are_skipped():
     rows = dock.put({"prompts": [prompt(i) for i in range(8)]})  # full
     with pytest.raises(OutOfMemory):
         dock.put({"prompts": [prompt(0)] * G})
-    # Every stage consumes the first two groups: they are finished; the others were never claimed.
+    # Every stage claims and completes the first two groups: they are finished; the others were never
+    # claimed.
     first = rows[: 2 * G]
     dock.put({"responses": [response(int(r), 0) for r in first]}, rows=first)
     dock.put(
@@ -115,6 +116,7 @@ def test_freed_rows_are_reused_and_kept_rows_are_skipped():
     for stage in ("rollout", "reference", "update"):
         meta = dock.claim(stage, max_rows=2 * G)
         assert sorted(meta.rows.tolist()) == sorted(first.tolist())
+        dock.complete(meta)
     kept = dock.reset(keep_unfinished=True)
     assert sorted(kept.tolist()) == sorted(rows[2 * G :].tolist())
     fresh = dock.put({"prompts": [prompt(50 + i) for i in range(2 * G)]})
@@ -147,7 +149,9 @@ def test_arena_space_of_freed_rows_is_reclaimed():
     with pytest.raises(OutOfMemory):
         dock.put({"p": [np.arange(1)] * G}, rows=None)
     for stage in ("a", "b"):
-        assert dock.claim(stage, max_rows=G).rows.tolist() == rows.tolist()
+        meta = dock.claim(stage, max_rows=G)
+        assert meta.rows.tolist() == rows.tolist()
+        dock.complete(meta)
     assert dock.reset(keep_unfinished=True).tolist() == kept_rows.tolist()
     assert dock.stats()["warehouse_bytes"] == [16]
     new = dock.put({"p": [np.arange(4) + 10, np.arange(4) + 20]})  # fits only because bytes moved

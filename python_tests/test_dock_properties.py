@@ -25,24 +25,33 @@ def row_values(row: int, col: str, it: int) -> np.ndarray:
     return np.arange(n, dtype=np.int64) + row * 1000 + ord(col) * 10 + it
 
 
+def make_dock(**kw) -> Dock:
+    return Dock(
+        columns={c: Column("int64", ragged=True, max_len=8) for c in COLUMNS},
+        stages=STAGES,
+        capacity=CAPACITY,
+        group_size=G,
+        warehouses=3,
+        **kw,
+    )
+
+
 class DockMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.dock = Dock(
-            columns={c: Column("int64", ragged=True, max_len=8) for c in COLUMNS},
-            stages=STAGES,
-            capacity=CAPACITY,
-            group_size=G,
-            warehouses=3,
-        )
+        self.dock = self.make_dock()
         self.it = 0
         self.allocated: list[int] = []
         self.written: dict[str, set[int]] = {c: set() for c in COLUMNS}
         self.consumed: dict[str, set[int]] = {s: set() for s in STAGES}
-        self.claims: dict[str, list[np.ndarray]] = {s: [] for s in STAGES}
+        self.claims: dict[str, list[Claim]] = {s: [] for s in STAGES}
+        self.released: list[Claim] = []  # claims given back: releasing them again must be refused
         self.placeholder: set[tuple[str, int]] = set()  # cells written by put_new with -1 values
         self.cell_it: dict[tuple[str, int], int] = {}  # iteration a cell was written in
         self.completed: dict[str, set[int]] = {s: set() for s in STAGES}  # claims completed
+
+    def make_dock(self) -> Dock:
+        return make_dock()
 
     def ready(self, stage: str) -> set[int]:
         rows = set(self.allocated)
@@ -84,6 +93,11 @@ class DockMachine(RuleBasedStateMachine):
         rows = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=5, unique=True))
         self.dock.put({col: [row_values(r, col, self.it) for r in rows]}, rows=rows)
         self.written[col] |= set(rows)
+        # A put with plain row ids completes the claims of the stages that hold the rows and do not read
+        # the column (they wrote it).
+        for s in STAGES:
+            if col not in STAGES[s] and set(rows) <= self.consumed[s]:
+                self.completed[s] |= set(rows)
         self.cell_it.update({(col, r): self.it for r in rows})
 
     @rule(stage=st.sampled_from(sorted(STAGES)), groups=st.integers(1, 4))
@@ -98,7 +112,7 @@ class DockMachine(RuleBasedStateMachine):
             assert got[i] % G == 0 and got[i : i + G] == list(range(got[i], got[i] + G))
         self.consumed[stage] |= set(got)
         if got:
-            self.claims[stage].append(meta.rows)
+            self.claims[stage].append(meta)
             batch = self.dock.fetch(meta)
             for col in STAGES[stage]:
                 for k, r in enumerate(got):
@@ -113,22 +127,39 @@ class DockMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         stage = data.draw(st.sampled_from(sorted(s for s, c in self.claims.items() if c)))
-        rows = self.claims[stage].pop(data.draw(st.integers(0, len(self.claims[stage]) - 1)))
-        self.dock.release(Claim(stage, rows))
-        self.consumed[stage] -= set(rows.tolist())
-        self.completed[stage] -= set(rows.tolist())
+        k = data.draw(st.integers(0, len(self.claims[stage]) - 1))
+        meta = self.claims[stage][k]
+        rows = set(meta.rows.tolist())
+        if rows & self.completed[stage]:  # a completed claim cannot be released: nothing changes
+            with pytest.raises(InvalidArgument, match="completed"):
+                self.dock.release(meta)
+            return
+        self.dock.release(self.claims[stage].pop(k))
+        self.released.append(meta)
+        self.consumed[stage] -= rows
+        self.completed[stage] -= rows
+
+    @precondition(lambda self: self.released)
+    @rule(data=st.data())
+    def release_again(self, data):
+        """A claim released before no longer holds its rows (maybe claimed again by another worker)."""
+        meta = data.draw(st.sampled_from(self.released))
+        with pytest.raises(InvalidArgument):
+            self.dock.release(meta)
 
     @precondition(lambda self: any(self.claims.values()))
     @rule(data=st.data())
     def complete(self, data):
         stage = data.draw(st.sampled_from(sorted(s for s, c in self.claims.items() if c)))
-        rows = self.claims[stage][data.draw(st.integers(0, len(self.claims[stage]) - 1))]
-        self.dock.complete(Claim(stage, rows))
-        self.completed[stage] |= set(rows.tolist()) & self.consumed[stage]
+        meta = self.claims[stage][data.draw(st.integers(0, len(self.claims[stage]) - 1))]
+        self.dock.complete(meta)
+        self.completed[stage] |= set(meta.rows.tolist()) & self.consumed[stage]
 
     @rule()
     def reset_keep_unfinished(self):
-        finished = {r for r in self.allocated if all(r in self.consumed[s] for s in STAGES)}
+        # Finished: every row of the group claimed and completed by every stage.
+        done = {r for r in self.allocated if all(r in self.consumed[s] & self.completed[s] for s in STAGES)}
+        finished = {r for r in done if all(q in done for q in range(r - r % G, r - r % G + G))}
         kept = set(self.allocated) - finished
         got = self.dock.reset(keep_unfinished=True)
         assert sorted(got.tolist()) == sorted(kept)
@@ -141,6 +172,7 @@ class DockMachine(RuleBasedStateMachine):
             self.consumed[s] = {r for r in done if all(q in done for q in range(r - r % G, r - r % G + G))}
             self.completed[s] = set(self.consumed[s])
         self.claims = {s: [] for s in STAGES}
+        self.released = []  # stale now: refused by the epoch check
         self.placeholder = {(c, r) for c, r in self.placeholder if r in kept}
 
     @rule()
@@ -151,6 +183,7 @@ class DockMachine(RuleBasedStateMachine):
         self.written = {c: set() for c in COLUMNS}
         self.consumed = {s: set() for s in STAGES}
         self.claims = {s: [] for s in STAGES}
+        self.released = []
         self.placeholder = set()
         self.completed = {s: set() for s in STAGES}
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from dock_util import init_local_ray
 from msrl_core import Column, Dock, Ragged
 from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory, Timeout, Unavailable
 
@@ -17,13 +18,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(
-        num_cpus=2,
-        object_store_memory=200 * 1024 * 1024,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-    )
+    init_local_ray(200)
     yield
     ray.shutdown()
 
@@ -73,7 +68,7 @@ def test_stages_round_trip(fast_path):
     dock.reset()
     assert dock.stats()["allocated_rows"] == 0
     assert sum(dock.stats()["warehouse_bytes"]) == 0
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_fetch_in_caller_order_across_warehouses():
@@ -85,7 +80,7 @@ def test_fetch_in_caller_order_across_warehouses():
     for k, r in enumerate(shuffled):
         i = src[int(r)]
         assert b["prompts"][k].tolist() == [i] * (i % 4 + 1)
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_bad_input_raises_and_leaves_the_dock_unchanged():
@@ -116,7 +111,7 @@ def test_bad_input_raises_and_leaves_the_dock_unchanged():
             dock.stats()["warehouse_bytes"],
             repr(dock.progress()),
         ) == before
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_failed_put_on_one_warehouse_is_undone_on_the_others():
@@ -136,7 +131,7 @@ def test_failed_put_on_one_warehouse_is_undone_on_the_others():
     assert dock.stats()["allocated_rows"] == 2
     assert sorted(dock.stats()["warehouse_bytes"]) == [0, 16]
     assert len(other) == 2
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def test_blocked_claim_wakes_on_the_completing_put():
@@ -160,7 +155,7 @@ def test_blocked_claim_wakes_on_the_completing_put():
     t.join(20)
     assert sorted(out["meta"].rows.tolist()) == sorted(rows.tolist())
     assert out["t"] >= t_put
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 @ray.remote(num_cpus=0.1)
@@ -202,7 +197,7 @@ def test_exactly_once_across_processes_and_threads():
     b = dock.fetch(np.arange(total), ["prompts", "responses"])
     for k in range(total):
         np.testing.assert_array_equal(b["responses"][k], b["prompts"][k] * 2)
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
 def kill_and_wait(handle) -> None:
@@ -270,7 +265,7 @@ def test_stale_claims_and_reset_during_a_fetch_lease_on_the_shared_memory_path()
     with pytest.raises(InvalidArgument, match="aborted by reset"):
         b._wh(int(dock.warehouse_of(rows[:1])[0]), "commit", rid)
     assert dock.stats()["allocated_rows"] == 0
-    b.shutdown()
+    dock.shutdown()
 
 
 @pytest.mark.parametrize("fast_path", [True, False], ids=["shared-memory", "object-store"])
@@ -284,22 +279,24 @@ def test_length_balanced_claims(fast_path):
         meta = dock.claim("score", max_rows=8, max_items=45)
         sizes.append(sum(lens[int(r)] for r in meta.rows))
     assert sizes == [44, 4, 60]
-    dock._backend.shutdown()
+    dock.shutdown()
 
 
-def test_partial_reset_is_unsupported_and_changes_nothing():
-    from msrl_core.errors import Unsupported
-
+def test_partial_reset_and_completion_on_ray():
     dock = make_dock()
-    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 4})
+    rows = dock.put({"prompts": [np.arange(3, dtype=np.int64)] * 8})
     meta = dock.claim("gen", max_rows=4)
-    with pytest.raises(Unsupported, match="keep_unfinished"):
-        dock.reset(keep_unfinished=True)
-    with pytest.raises(NotImplementedError):
-        dock.complete(meta)
-    # Nothing was reset: the claim is still current and the rows still hold their prompts.
     dock.put({"responses": [np.arange(2, dtype=np.int64)] * 4}, rows=meta)
-    assert sorted(dock.claim("score", max_rows=4).rows.tolist()) == sorted(rows.tolist())
+    dock.complete(meta)  # completion is tracked (a completed claim cannot be released)
+    with pytest.raises(InvalidArgument, match="completed"):
+        dock.release(meta)
+    kept = dock.reset(keep_unfinished=True)
+    assert sorted(kept.tolist()) == sorted(rows.tolist())  # no group was completed by every stage
+    rest = dock.claim("gen", max_rows=8)  # only the groups gen never claimed come back to gen
+    assert sorted(rest.rows.tolist()) == sorted(set(rows.tolist()) - set(meta.rows.tolist()))
+    score = dock.take("score", max_rows=8)
+    assert sorted(score.rows.tolist()) == sorted(meta.rows.tolist())
+    assert score["responses"].lengths.tolist() == [2] * 4
     dock.reset()
 
 
@@ -318,3 +315,98 @@ def test_tensordict_in_and_out():
         dict(zip(rows.tolist(), (1, 1, 2, 2)))[int(r)] for r in meta.rows
     ]
     dock.reset()
+
+
+def test_actor_sockets_refuse_pickles_other_users_and_bad_frames(tmp_path):
+    """The actors' same-node sockets: a pickled frame runs no code, another uid is refused without an
+    fd, and malformed, truncated and 4 GiB frames close only their own connection."""
+    import os
+    import socket
+
+    from msrl_core.dock import _wire
+    from test_dock_wire import (
+        can_switch_user,
+        closed_by_peer,
+        other_user_attack,
+        pickled_frames,
+        raw_connect,
+    )
+
+    dock = make_dock()
+    b = dock._backend
+    rows = dock.put({"prompts": [np.arange(3)] * 8})
+    marker = tmp_path / "pwned"
+    os.chmod(tmp_path, 0o777)
+    paths = [b.endpoint[1]] + [p for _, p in b.wh_endpoints]
+    body = _wire.encode(["echo", [1]])
+    bad = [
+        b"GET / HTTP/1.1\r\n\r\n",
+        _wire.HEADER.pack(_wire.MAGIC, _wire.REQUEST, len(body) + 10) + body,  # truncated
+        _wire.HEADER.pack(_wire.MAGIC, _wire.REQUEST, 4 << 30),  # 4 GiB length header
+        *pickled_frames(str(marker)),
+    ]
+    for path in paths:
+        for frame in bad:
+            s = raw_connect(path)
+            s.sendall(frame)
+            s.shutdown(socket.SHUT_WR)
+            assert closed_by_peer(s)
+            s.close()
+        if can_switch_user():
+            got = other_user_attack(path, str(marker))
+            assert all(got[k]["fds"] == 0 and got[k]["reply_bytes"] == 0 for k in ("fds", "pickle")), got
+    assert not marker.exists()
+    diags = ray.get([h.diagnostics.remote() for h in [b.controller, *b.warehouses]])
+    for d in diags:
+        assert d["wire"]["malformed"] == 4  # the truncated frame is a closed connection, not a bad frame
+        if can_switch_user():
+            assert d["wire"]["refused_uid"] == 2
+    # Every actor still serves this client (same-node path): claim, fetch, put.
+    meta = dock.claim("gen", max_rows=8)
+    assert sorted(meta.rows.tolist()) == sorted(rows.tolist())
+    assert dock.fetch(meta)["prompts"].lengths.tolist() == [3] * 8
+    dock.put({"responses": [np.arange(1)] * 8}, rows=meta)
+    assert dock.progress()["score"]["ready_rows"] == 8
+    dock.shutdown()
+
+
+@ray.remote(num_cpus=0.05, max_retries=0)
+def reserve_and_die(dock: Dock, warehouse: int, rows: np.ndarray) -> None:
+    """A client that reserved rows in a warehouse arena and died before committing."""
+    import os
+
+    dock._backend._wh(warehouse, "reserve", [(1, np.ones(len(rows), np.int64))], rows, -1)
+    os._exit(1)
+
+
+def test_faults_leave_the_others_served_and_committed_rows_intact():
+    dock = make_dock(op_timeout=10.0)
+    rows = dock.put({"prompts": [np.arange(3) + i for i in range(8)]})
+    src = {int(r): np.arange(3) + i for i, r in enumerate(rows)}
+    wh = dock.warehouse_of(rows)
+    # A client killed between reserve and commit: nothing it reserved becomes readable, the others go on.
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(reserve_and_die.remote(dock, 0, rows[wh == 0]), timeout=60)
+    assert dock.progress()["score"]["ready_rows"] == 0
+    assert len(dock.claim("gen", max_rows=8)) == 8
+    dock.put({"rewards": np.arange(8, dtype=np.float32)}, rows=rows)
+    with pytest.raises(InvalidArgument, match="being written"):  # until reset(force=True) aborts it
+        dock.put({"responses": [np.arange(1)] * 8}, rows=rows)
+    with pytest.raises(InvalidArgument, match="in flight"):
+        dock.reset()  # the dead client's reservation is still registered
+    # A warehouse killed: calls that need it raise Unavailable within op_timeout; the survivor serves.
+    kill_and_wait(dock._backend.warehouses[1])
+    for fn in (
+        lambda: dock.fetch(rows, ["prompts"]),
+        lambda: dock.put({"responses": [np.arange(1)] * 4}, rows=rows[wh == 1]),
+    ):
+        t0 = time.perf_counter()
+        with pytest.raises(Unavailable, match="warehouse 1"):
+            fn()
+        assert time.perf_counter() - t0 < 10.0
+    alive = rows[wh == 0]
+    b = dock.fetch(alive, ["prompts", "rewards"])
+    for k, r in enumerate(alive.tolist()):
+        assert b["prompts"][k].tolist() == src[r].tolist()
+        assert b["rewards"][k] == float(rows.tolist().index(r))
+    dock.shutdown()

@@ -126,6 +126,18 @@ def test_bad_input_is_refused_and_pins_nothing():
 
 def test_ray_backend_refuses_views_clearly():
     dock = views_dock()
-    dock.backend = "ray"  # the check is in Dock.fetch, before any backend call
+    dock._backend.views = False  # as the ray backend says; checked in Dock.fetch before any backend call
     with pytest.raises(Unsupported, match="local-backend only"):
         dock.fetch(np.arange(2), ["rewards"], copy=False)
+
+
+def test_a_batch_of_views_is_a_context_manager_that_unpins_them():
+    dock = views_dock()
+    rows = dock.put({"prompts": [np.arange(3)] * 2})
+    with dock.fetch(rows, ["prompts"], copy=False) as batch:
+        assert batch.views == {"prompts"} and batch["prompts"].lengths.tolist() == [3, 3]
+        assert dock._backend.live_views() == 1
+        with pytest.raises(InvalidArgument, match="view"):
+            dock.reset()
+    assert dock._backend.live_views() == 0 and len(batch) == 0
+    dock.reset()

@@ -81,10 +81,10 @@ py::array_t<int64_t> to_array(std::vector<int64_t>&& v) {
 
 // Inputs of a put: list of (column id, values buffer, lengths array or None). Keeps the Python
 // objects alive in `keep` while the GIL is released.
-std::vector<ColumnInput> parse_inputs(const py::list& cols, std::vector<py::object>& keep) {
+std::vector<ColumnInput> parse_inputs(const py::sequence& cols, std::vector<py::object>& keep) {
   std::vector<ColumnInput> inputs;
   for (const py::handle& h : cols) {
-    py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+    py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
     MSRL_CHECK(t.size() == 3, kInvalidArgument, "put expects (column_id, values, lengths) tuples");
     ColumnInput in;
     in.column = t[0].cast<int>();
@@ -173,7 +173,7 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("num_warehouses", &dock::DockCore::num_warehouses)
       .def(
           "put_new",
-          [](dock::DockCore& d, const py::list& cols, int64_t n) {
+          [](dock::DockCore& d, const py::sequence& cols, int64_t n) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             std::vector<int64_t> rows;
@@ -186,37 +186,38 @@ void bind_dock(py::module_& m) {
           py::arg("columns"), py::arg("n"))
       .def(
           "put",
-          [](dock::DockCore& d, const py::list& cols, const I64Array& rows, int64_t epoch, int stage) {
+          [](dock::DockCore& d, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage,
+             uint64_t claim_id) {
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
-            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage);
+            d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
           },
-          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1)
+          py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1, py::arg("claim_id") = 0)
       .def(
           "complete",
-          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
-            d.complete(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.complete(stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
           },
-          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
       .def(
           "claim",
           [](dock::DockCore& d, int stage, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
-            uint64_t epoch = 0;
+            uint64_t epoch = 0, claim_id = 0;
             {
               py::gil_scoped_release release;
-              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch, max_items);
+              rows = d.claim(stage, max_rows, min_rows, timeout, &epoch, max_items, &claim_id);
             }
-            return py::make_tuple(to_array(std::move(rows)), epoch);
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
           },
           py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
       .def(
           "release",
-          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch) {
-            d.release(stage, rows.data(), static_cast<size_t>(rows.size()), epoch);
+          [](dock::DockCore& d, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.release(stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
           },
-          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1)
+          py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
       .def_property_readonly("epoch", &dock::DockCore::epoch)
       .def("lengths",
            [](const dock::DockCore& d, int column, const I64Array& rows) {
@@ -321,13 +322,13 @@ void bind_dock(py::module_& m) {
            })
       .def(
           "reserve",
-          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
             // [(column, lengths | None)] -> reservations, all or none.
             std::vector<int> ids;
             std::vector<const int64_t*> lens;
             std::vector<I64Array> keep;
             for (const py::handle& h : cols) {
-              py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+              py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
               ids.push_back(t[0].cast<int>());
               if (t[1].is_none()) {
                 lens.push_back(nullptr);
@@ -365,7 +366,7 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("num_rows", &dock::Warehouse::num_rows)
       .def(
           "put",
-          [](dock::Warehouse& w, const py::list& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
             // All columns reserved first, so a failing column leaves every column unchanged.
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
@@ -432,7 +433,18 @@ void bind_dock(py::module_& m) {
            })
       .def("bytes_held", &dock::Warehouse::bytes_held)
       .def(
-          "reset", [](dock::Warehouse& w) { w.reset(); }, py::call_guard<py::gil_scoped_release>());
+          "reset",
+          [](dock::Warehouse& w, py::object keep_rows) {
+            if (keep_rows.is_none()) {
+              py::gil_scoped_release release;
+              w.reset();
+              return;
+            }
+            std::vector<int64_t> keep = keep_rows.cast<std::vector<int64_t>>();
+            py::gil_scoped_release release;
+            w.reset(keep);
+          },
+          py::arg("keep_rows") = py::none(), "Forgets every row but keep_rows (their bytes are compacted).");
 
   py::class_<dock::Reservation, std::shared_ptr<dock::Reservation>>(
       m, "Reservation", "Rows of one column reserved in a warehouse arena, not yet readable.")
@@ -489,18 +501,48 @@ void bind_dock(py::module_& m) {
           "claim",
           [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
             std::vector<int64_t> rows;
-            uint64_t epoch = 0;
+            uint64_t epoch = 0, claim_id = 0;
             {
               py::gil_scoped_release release;
-              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items);
+              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items, &claim_id);
             }
-            return py::make_tuple(to_array(std::move(rows)), epoch);
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
           },
           py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
-      .def("release",
-           [](dock::Controller& c, const I64Array& rows) { c.release(rows.data(), static_cast<size_t>(rows.size())); })
+      .def(
+          "release",
+          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+            c.release(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+          },
+          py::arg("rows"), py::arg("claim_id") = 0)
+      .def("check_held",
+           [](const dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+             c.check_held(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+           })
+      .def(
+          "complete",
+          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
+            c.complete(rows.data(), static_cast<size_t>(rows.size()), claim_id);
+          },
+          py::arg("rows"), py::arg("claim_id") = 0)
+      .def("complete_by_put",
+           [](dock::Controller& c, const std::vector<int>& columns, const I64Array& rows) {
+             return c.complete_by_put(columns, rows.data(), static_cast<size_t>(rows.size()));
+           })
       .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
-      .def("reset", [](dock::Controller& c) { c.reset(); })
+      .def(
+          "reset",
+          [](dock::Controller& c, py::object keep_groups) {
+            if (keep_groups.is_none()) {
+              c.reset();
+              return;
+            }
+            c.reset(keep_groups.cast<std::vector<uint8_t>>());
+          },
+          py::arg("keep_groups") = py::none(),
+          "Next iteration; keep_groups (one flag per group) keeps those groups' readiness and completed claims "
+          "(partial reset).")
+      .def("group_completed", &dock::Controller::group_completed)
       .def_property_readonly("epoch", &dock::Controller::epoch)
       .def("close", &dock::Controller::close);
 }

@@ -1,5 +1,7 @@
 // The one translation table from msrl::Error codes to Python exception classes.
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "bindings/bindings.h"
 #include "common/error.h"
@@ -10,6 +12,11 @@ namespace {
 // Owned by the module; created in bind_errors. Classes are leaked on purpose (module lifetime).
 PyObject* g_base = nullptr;
 PyObject* g_by_code[8] = {};
+
+bool debug_errors() {
+  const char* v = std::getenv("MSRL_DEBUG");
+  return v != nullptr && v[0] != '\0' && std::string(v) != "0";
+}
 
 PyObject* make_class(py::module_& m, const char* name, PyObject* builtin, const char* doc) {
   py::tuple bases = py::make_tuple(py::handle(g_base), py::handle(builtin));
@@ -41,8 +48,10 @@ void bind_errors(py::module_& m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
+      // The class already names the error: the message alone, plus the C++ source location (and the code
+      // name) only in debug mode (MSRL_DEBUG=1).
       PyObject* cls = g_by_code[static_cast<int>(e.code())];
-      PyErr_SetString(cls ? cls : g_base, e.what());
+      PyErr_SetString(cls ? cls : g_base, debug_errors() ? e.what() : e.message().c_str());
     }
   });
 }

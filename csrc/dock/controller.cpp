@@ -34,6 +34,7 @@ Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, 
   consumed_.assign(capacity_, 0);
   done_.assign(capacity_, 0);
   row_len_.assign(capacity_, 0);
+  claim_of_.assign(capacity_, 0);
 }
 
 int Controller::slot_of(int column) const { return (column >= 0 && column <= max_column_) ? slot_[column] : -1; }
@@ -77,13 +78,14 @@ void Controller::mark_ready(int column, const int64_t* rows, size_t n, const int
 }
 
 std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
-                                       int64_t max_items) {
+                                       int64_t max_items, uint64_t* claim_id) {
   MSRL_CHECK(max_rows >= group_size_, kInvalidArgument, "stage '", stage_, "': max_rows ", max_rows,
              " is smaller than one group (group_size ", group_size_, ")");
   MSRL_CHECK(min_rows >= 0 && min_rows <= max_rows, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
              " must be in [0, max_rows=", max_rows, "]");
   MSRL_CHECK(timeout_s >= 0 && std::isfinite(timeout_s), kInvalidArgument, "stage '", stage_,
              "': timeout must be a finite number of seconds >= 0, got ", timeout_s);
+  timeout_s = std::min(timeout_s, kMaxWaitS);  // a deadline in steady_clock nanoseconds must not overflow
   const size_t max_groups = static_cast<size_t>(max_rows / group_size_);
   const size_t min_groups = static_cast<size_t>((min_rows + group_size_ - 1) / group_size_);
   MSRL_CHECK(min_groups <= max_groups, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
@@ -124,20 +126,23 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
   }
   std::vector<int64_t> rows;
   rows.reserve(take * group_size_);
+  const uint64_t id = next_claim_++;
   for (size_t k = 0; k < take; ++k) {
     const int64_t g = queue_.front();
     queue_.pop_front();
     for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) {
       consumed_[r] = 1;
+      claim_of_[r] = id;
       rows.push_back(r);
     }
   }
   consumed_rows_ += static_cast<int64_t>(rows.size());
   if (epoch != nullptr) *epoch = epoch_;
+  if (claim_id != nullptr) *claim_id = id;
   return rows;
 }
 
-void Controller::release(const int64_t* rows, size_t n) {
+void Controller::release(const int64_t* rows, size_t n, uint64_t claim_id) {
   for (size_t i = 0; i < n; ++i) check_row(rows[i]);
   bool woke = false;
   {
@@ -145,6 +150,11 @@ void Controller::release(const int64_t* rows, size_t n) {
     for (size_t i = 0; i < n; ++i) {
       MSRL_CHECK(consumed_[rows[i]], kInvalidArgument, "stage '", stage_, "': row ", rows[i],
                  " is not claimed, cannot release it");
+      MSRL_CHECK(claim_id == 0 || claim_of_[rows[i]] == claim_id, kInvalidArgument, "stage '", stage_,
+                 "': this claim no longer holds row ", rows[i],
+                 " (it was released, or claimed again by another worker); nothing was released");
+      MSRL_CHECK(!done_[rows[i]], kInvalidArgument, "stage '", stage_, "': row ", rows[i],
+                 " was completed (a put with its claim, or complete()); a completed claim cannot be released");
     }
     MSRL_CHECK(n % group_size_ == 0, kInvalidArgument, "stage '", stage_, "': release of ", n,
                " rows is not whole groups of ", group_size_);
@@ -156,7 +166,10 @@ void Controller::release(const int64_t* rows, size_t n) {
     for (size_t i = 0; i < n; i += group_size_) {
       const int64_t g = rows[i] / group_size_;
       if (!consumed_[g * group_size_]) continue;  // the same group listed twice
-      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) consumed_[r] = done_[r] = 0;
+      for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) {
+        consumed_[r] = done_[r] = 0;
+        claim_of_[r] = 0;
+      }
       consumed_rows_ -= group_size_;
       queue_.push_front(g);
       woke = true;
@@ -165,12 +178,47 @@ void Controller::release(const int64_t* rows, size_t n) {
   if (woke) cv_.notify_all();
 }
 
-void Controller::complete(const int64_t* rows, size_t n) {
+void Controller::check_held(const int64_t* rows, size_t n, uint64_t claim_id) const {
   for (size_t i = 0; i < n; ++i) check_row(rows[i]);
   std::lock_guard<std::mutex> lock(mu_);
+  check_held_locked(rows, n, claim_id);
+}
+
+void Controller::check_held_locked(const int64_t* rows, size_t n, uint64_t claim_id) const {
+  for (size_t i = 0; i < n; ++i) {
+    MSRL_CHECK(consumed_[rows[i]] && claim_of_[rows[i]] == claim_id, kInvalidArgument, "stage '", stage_,
+               "': this claim no longer holds row ", rows[i],
+               " (it was released, or claimed again by another worker); nothing was changed");
+  }
+}
+
+void Controller::complete(const int64_t* rows, size_t n, uint64_t claim_id) {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (claim_id != 0) check_held_locked(rows, n, claim_id);
   for (size_t i = 0; i < n; ++i) {
     if (consumed_[rows[i]]) done_[rows[i]] = 1;
   }
+}
+
+bool Controller::complete_by_put(const std::vector<int>& columns, const int64_t* rows, size_t n) {
+  for (int c : columns)
+    if (reads(c)) return false;
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i)
+    if (!consumed_[rows[i]]) return false;
+  for (size_t i = 0; i < n; ++i) done_[rows[i]] = 1;
+  return n > 0;
+}
+
+bool Controller::group_completed(int64_t g) const {
+  MSRL_CHECK(g >= 0 && g < capacity_ / group_size_, kInvalidArgument, "stage '", stage_, "': group ", g,
+             " out of range [0, ", capacity_ / group_size_, ")");
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r)
+    if (!consumed_[r] || !done_[r]) return false;
+  return true;
 }
 
 bool Controller::group_consumed(int64_t g) const {
@@ -199,6 +247,7 @@ void Controller::reset() {
   std::fill(consumed_.begin(), consumed_.end(), 0);
   std::fill(done_.begin(), done_.end(), 0);
   std::fill(row_len_.begin(), row_len_.end(), 0);
+  std::fill(claim_of_.begin(), claim_of_.end(), 0);
   queue_.clear();
   consumed_rows_ = 0;
   ++epoch_;
@@ -226,6 +275,7 @@ void Controller::reset(const std::vector<uint8_t>& keep_groups) {
         std::fill(consumed_.begin() + b, consumed_.begin() + e, 0);
         std::fill(done_.begin() + b, done_.begin() + e, 0);
         std::fill(row_len_.begin() + b, row_len_.begin() + e, 0);
+        std::fill(claim_of_.begin() + b, claim_of_.begin() + e, 0);
         group_ready_[g] = 0;
         continue;
       }
@@ -239,6 +289,7 @@ void Controller::reset(const std::vector<uint8_t>& keep_groups) {
       // A claim does not survive a reset: the group goes back to the stage.
       std::fill(consumed_.begin() + b, consumed_.begin() + e, 0);
       std::fill(done_.begin() + b, done_.begin() + e, 0);
+      std::fill(claim_of_.begin() + b, claim_of_.begin() + e, 0);
       if (group_ready_[g] == group_size_) {
         reclaimed.push_back(g);
         woke = true;

@@ -48,18 +48,31 @@ class Controller {
   // max_items > 0 balances claims by length: whole groups are taken FIFO while their summed lengths in
   // the length column stay within max_items (always at least one group), so concurrent workers of a
   // stage get about the same number of tokens rather than the same number of rows.
+  // `claim_id`, when given, receives the claim's identity (unique per controller, never 0): release and
+  // complete with it check that the claim still holds its rows. timeout_s is clamped to kMaxWaitS.
   std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr,
-                             int64_t max_items = 0);
+                             int64_t max_items = 0, uint64_t* claim_id = nullptr);
+  static constexpr double kMaxWaitS = 365.0 * 86400.0;
   int length_column() const { return length_column_; }
 
-  // Puts claimed rows back (a worker failed): they become claimable again. Rows must be consumed.
-  void release(const int64_t* rows, size_t n);
+  // Puts claimed rows back (a worker failed): they become claimable again. Rows must be claimed and not
+  // completed; with claim_id != 0 they must still be held by that claim (a claim released before, or
+  // whose rows were claimed again by another worker, is refused: rows never go out twice).
+  void release(const int64_t* rows, size_t n, uint64_t claim_id = 0);
+  // Throws InvalidArgument unless claim `claim_id` (!= 0) holds every row (completed or not).
+  void check_held(const int64_t* rows, size_t n, uint64_t claim_id) const;
   // Marks claimed rows as completed by this stage (its worker put its outputs). Only completed claims
   // survive reset(keep_groups): a kept group claimed but not completed becomes claimable again.
-  // Rows not claimed are ignored.
-  void complete(const int64_t* rows, size_t n);
+  // With claim_id != 0 the claim must hold every row (check_held); with 0, rows not claimed are ignored.
+  void complete(const int64_t* rows, size_t n, uint64_t claim_id = 0);
+  // A put of `columns` into plain row ids (no claim): completes this stage's claim on the rows when the
+  // stage reads none of the columns (it wrote them: they are its outputs) and holds every row. Returns
+  // whether it completed them.
+  bool complete_by_put(const std::vector<int>& columns, const int64_t* rows, size_t n);
   // True when group g has been claimed by this stage in the current iteration.
   bool group_consumed(int64_t g) const;
+  // True when group g has been claimed and completed by this stage (a finished group, for this stage).
+  bool group_completed(int64_t g) const;
 
   StageProgress progress() const;
   bool consumed(int64_t row) const;
@@ -77,6 +90,7 @@ class Controller {
 
  private:
   int slot_of(int column) const;
+  void check_held_locked(const int64_t* rows, size_t n, uint64_t claim_id) const;
   void check_row(int64_t row) const;
 
   const std::string stage_;
@@ -95,7 +109,9 @@ class Controller {
   std::vector<uint8_t> consumed_;      // per row
   std::vector<uint8_t> done_;          // per row: claimed and completed (complete())
   std::vector<int64_t> row_len_;       // per row, from the length column
-  std::deque<int64_t> queue_;          // groups fully ready and not consumed, FIFO
+  std::vector<uint64_t> claim_of_;     // per row: the claim holding it (0: none)
+  uint64_t next_claim_ = 1;
+  std::deque<int64_t> queue_;  // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;
   int64_t waiting_ = 0;
   uint64_t epoch_ = 0;

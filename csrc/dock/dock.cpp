@@ -182,21 +182,29 @@ void DockCore::check_epoch(int64_t epoch) const {
              epoch_.load());
 }
 
-void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch, int stage) {
+void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch, int stage,
+                   uint64_t claim_id) {
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
+  if (stage >= 0 && claim_id != 0) controllers_[stage]->check_held(rows, n, claim_id);
   put_locked(inputs, rows, n);
-  if (stage >= 0) controllers_[stage]->complete(rows, n);
+  if (stage >= 0) {
+    controllers_[stage]->complete(rows, n, claim_id);
+    return;
+  }
+  std::vector<int> columns;
+  for (const ColumnInput& in : inputs) columns.push_back(in.column);
+  for (const auto& c : controllers_) c->complete_by_put(columns, rows, n);
 }
 
-void DockCore::complete(int stage, const int64_t* rows, size_t n, int64_t epoch) {
+void DockCore::complete(int stage, const int64_t* rows, size_t n, int64_t epoch, uint64_t claim_id) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
-  controllers_[stage]->complete(rows, n);
+  controllers_[stage]->complete(rows, n, claim_id);
 }
 
 void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
@@ -272,21 +280,21 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
 }
 
 std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
-                                     int64_t max_items) {
+                                     int64_t max_items, uint64_t* claim_id) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   Timer timer(claim_stats);
-  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s, epoch, max_items);
+  std::vector<int64_t> rows = controllers_[stage]->claim(max_rows, min_rows, timeout_s, epoch, max_items, claim_id);
   timer.rows = static_cast<int64_t>(rows.size());
   return rows;
 }
 
-void DockCore::release(int stage, const int64_t* rows, size_t n, int64_t epoch) {
+void DockCore::release(int stage, const int64_t* rows, size_t n, int64_t epoch, uint64_t claim_id) {
   MSRL_CHECK(stage >= 0 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
-  controllers_[stage]->release(rows, n);
+  controllers_[stage]->release(rows, n, claim_id);
 }
 
 void DockCore::lengths(int column, const int64_t* rows, size_t n, int64_t* out) const {
@@ -409,7 +417,7 @@ std::vector<int64_t> DockCore::reset(bool keep_unfinished) {
     for (int64_t g = 0; g < groups; ++g) {
       if (!group_allocated_[g]) continue;
       bool finished = true;
-      for (const auto& c : controllers_) finished = finished && c->group_consumed(g);
+      for (const auto& c : controllers_) finished = finished && c->group_completed(g);
       if (finished) continue;
       keep[g] = 1;
       for (int64_t r = g * G; r < (g + 1) * G; ++r) kept_rows.push_back(r);

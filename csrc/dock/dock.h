@@ -69,18 +69,21 @@ class DockCore {
   std::vector<int64_t> put_new(const std::vector<ColumnInput>& inputs, int64_t n);
   // Writes columns into allocated rows; all-or-nothing over columns and warehouses. With epoch >= 0
   // (from a claim) the rows must belong to the current iteration: a claim from before a reset is stale.
-  // With stage >= 0 (the claim's stage) a successful put also completes the stage's claim on the rows
-  // (Controller::complete), so a partial reset keeps the stage's work on them.
-  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1);
+  // With stage >= 0 and claim_id != 0 (a Claim's) the claim must still hold the rows (checked before
+  // anything is written) and a successful put completes it (Controller::complete), so a partial reset
+  // keeps the stage's work on them. With plain row ids (stage -1) the put completes the claim of every
+  // stage that holds the rows and reads none of the columns written (Controller::complete_by_put).
+  void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1,
+           uint64_t claim_id = 0);
   // Completes a claim without putting (a stage that writes no columns); see reset(true).
-  void complete(int stage, const int64_t* rows, size_t n, int64_t epoch = -1);
+  void complete(int stage, const int64_t* rows, size_t n, int64_t epoch = -1, uint64_t claim_id = 0);
 
   // Claims never block reset(): a blocked claim is served by the next iteration. `epoch` receives the
   // iteration of the rows.
   std::vector<int64_t> claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr,
-                             int64_t max_items = 0);
+                             int64_t max_items = 0, uint64_t* claim_id = nullptr);
   uint64_t epoch() const { return epoch_.load(); }
-  void release(int stage, const int64_t* rows, size_t n, int64_t epoch = -1);
+  void release(int stage, const int64_t* rows, size_t n, int64_t epoch = -1, uint64_t claim_id = 0);
 
   // Items per row (1 for fixed columns).
   void lengths(int column, const int64_t* rows, size_t n, int64_t* out) const;
@@ -104,7 +107,7 @@ class DockCore {
   // Clears rows, readiness and claims and starts the next iteration. Throws InvalidArgument (nothing
   // changed) while a put or fetch runs, another reset runs or views are alive (live_views() > 0).
   // Claims from before the reset are stale.
-  // keep_unfinished (partial rollout): only *finished* groups — claimed by every stage — are freed.
+  // keep_unfinished (partial rollout): only *finished* groups — completed by every stage — are freed.
   // Unfinished groups keep their rows, written columns, readiness and each stage's completed claims
   // (ragged arenas are compacted); a claim not completed (no put with it, no complete()) is dropped and
   // its group is claimable again by that stage. New puts allocate around the kept groups. Returns the

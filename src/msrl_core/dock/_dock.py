@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -11,14 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.dock._backend import Backend
 from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._types import (
+    MAX_WAIT_S,
     Batch,
     Claim,
     Column,
     Padded,
     Ragged,
     check_tensordict_keys,
+    claim_id_of,
     epoch_of,
     is_tensordict,
     rows_array,
@@ -29,7 +33,7 @@ from msrl_core.dock._types import (
     to_put_input,
     to_tensordict,
 )
-from msrl_core.errors import InvalidArgument, NotFound, Unsupported
+from msrl_core.errors import InvalidArgument, MsrlError, NotFound, Unsupported
 
 _LAYOUTS = ("packed", "padded")
 _OUTPUTS = ("numpy", "torch", "tensordict")
@@ -46,6 +50,29 @@ class _Latencies:
             return {"p50_us": math.nan, "p99_us": math.nan}
         arr = np.fromiter(self.samples, dtype=np.float64)
         return {"p50_us": float(np.percentile(arr, 50)) * 1e6, "p99_us": float(np.percentile(arr, 99)) * 1e6}
+
+
+def _make_backend(
+    backend: str,
+    columns: dict[str, Column],
+    stages: dict[str, list[str]],
+    capacity: int,
+    group_size: int,
+    warehouses: int | None,
+    balance_by: str | None,
+    options: dict[str, Any],
+) -> Backend:
+    if backend == "local":
+        from msrl_core.dock._local import LocalBackend
+
+        if options:
+            raise InvalidArgument(f"unknown options for the local backend: {sorted(options)}")
+        return LocalBackend(columns, stages, capacity, group_size, int(warehouses or 1), balance_by)
+    if backend == "ray":
+        from msrl_core.dock._client import RayBackend
+
+        return RayBackend(columns, stages, capacity, group_size, warehouses, balance_by=balance_by, **options)
+    raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
 
 
 class Dock:
@@ -116,29 +143,11 @@ class Dock:
         self.output = output
         self._column_ids = {name: i for i, name in enumerate(self.columns)}
         self._stage_ids = {name: i for i, name in enumerate(self.stages)}
-        if backend == "local":
-            from msrl_core.dock._local import LocalBackend
-
-            if backend_options:
-                raise InvalidArgument(f"unknown options for the local backend: {sorted(backend_options)}")
-            self._backend: Any = LocalBackend(
-                self.columns, self.stages, capacity, group_size, int(warehouses or 1), balance_by
-            )
-        elif backend == "ray":
-            from msrl_core.dock._ray import RayBackend
-
-            self._backend = RayBackend(
-                self.columns,
-                self.stages,
-                capacity,
-                group_size,
-                warehouses,
-                balance_by=balance_by,
-                **backend_options,
-            )
-        else:
-            raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
+        self._backend: Backend = _make_backend(
+            backend, self.columns, self.stages, capacity, group_size, warehouses, balance_by, backend_options
+        )
         self.backend = backend
+        self._shut_down = False
         self._lat = {op: _Latencies() for op in ("put", "claim", "fetch")}
         self._lat_lock = threading.Lock()
 
@@ -196,7 +205,8 @@ class Dock:
             if n == 0:
                 raise InvalidArgument("put needs at least one row")
             stage = stage_of(rows)
-            self._backend.put(inputs, out, epoch_of(rows), -1 if stage is None else self._sid(stage))
+            sid = -1 if stage is None else self._sid(stage)
+            self._backend.put(inputs, out, epoch_of(rows), sid, claim_id_of(rows))
         self._record("put", t0)
         return out
 
@@ -222,6 +232,8 @@ class Dock:
             min_rows = 0 if timeout == 0 else self.group_size
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise InvalidArgument(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        if timeout > MAX_WAIT_S:  # a year: longer waits would overflow deadlines
+            timeout = MAX_WAIT_S
         items = 0
         if max_items is not None:
             if self.balance_by is None:
@@ -231,13 +243,18 @@ class Dock:
             if int(max_items) <= 0:
                 raise InvalidArgument(f"max_items must be > 0, got {max_items}")
             items = int(max_items)
-        rows, epoch = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout), items)
+        rows, epoch, claim_id = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout), items)
         self._record("claim", t0)
-        return Claim(stage, rows, self._backend.warehouse_of, epoch)
+        return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id)
 
-    def release(self, meta: Claim) -> None:
-        """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again."""
-        self._backend.release(self._sid(meta.stage), meta.rows, meta.epoch)
+    def release(self, meta: Claim | Batch) -> None:
+        """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again.
+        Only while the claim holds them: a claim released before, whose rows another worker claimed
+        since, or completed (a put with it, ``complete()``) raises InvalidArgument and changes nothing."""
+        stage = stage_of(meta)
+        if stage is None:
+            raise InvalidArgument("release() takes the Claim (or the Batch of take()) to release")
+        self._backend.release(self._sid(stage), meta.rows, epoch_of(meta), claim_id_of(meta))
 
     def complete(self, meta: Claim | Batch) -> None:
         """Marks a claim as done by its stage without putting anything (a stage that writes no columns,
@@ -246,7 +263,8 @@ class Dock:
         stage = stage_of(meta)
         if stage is None:
             raise InvalidArgument("complete() takes the Claim (or the Batch of take()) to complete")
-        self._backend.complete(self._sid(stage), rows_array(meta, self.capacity), epoch_of(meta))
+        rows = rows_array(meta, self.capacity)
+        self._backend.complete(self._sid(stage), rows, epoch_of(meta), claim_id_of(meta))
 
     def fetch(
         self,
@@ -273,36 +291,10 @@ class Dock:
         ``device`` (e.g. ``"cuda:0"``, needs ``output='torch'``): values are copied host->device through
         the native copy engine into tensors allocated on that device (offsets and lengths stay numpy)."""
         t0 = time.perf_counter()
-        if layout not in _LAYOUTS:
-            raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
-        output = output or self.output
-        if output not in _OUTPUTS:
-            raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
-        check_device_output(device, output, copy)
-        if not copy:
-            if self.backend != "local":
-                raise Unsupported(
-                    f"fetch(copy=False) (zero-copy views) is local-backend only; this dock's backend is "
-                    f"{self.backend!r}: fetch with copy=True"
-                )
-            if layout != "packed" or output == "tensordict":
-                raise InvalidArgument(
-                    "fetch(copy=False) returns views of the packed arenas: it needs layout='packed' and "
-                    f"output 'numpy' or 'torch', got layout={layout!r}, output={output!r}"
-                )
-        if columns is None:
-            if not isinstance(meta, Claim):
-                raise InvalidArgument("fetch of plain row ids needs columns=")
-            columns = self.stages[meta.stage]
-        if isinstance(columns, str):
-            columns = [columns]
+        columns, layout, output = self._fetch_args(meta, columns, layout, output, copy, device)
         as_td = output == "tensordict"
-        if as_td:
-            tensordict_cls()  # InvalidArgument before any work when tensordict is missing
-            check_tensordict_keys(list(columns), self.columns)
-            layout = "padded"
         rows = rows_array(meta, self.capacity)
-        cids = [self._cid(c) for c in columns]
+        cids = [self._column_ids[c] for c in columns]
         data: dict[str, Any] = {}
         specs = [(cid, self.columns[c]) for c, cid in zip(columns, cids)]
         views: set[str] = set()
@@ -332,7 +324,42 @@ class Dock:
         self._record("fetch", t0)
         if as_td:
             return to_tensordict(data, len(rows))
-        return Batch(rows, data, epoch_of(meta), stage_of(meta), frozenset(views))
+        return Batch(rows, data, epoch_of(meta), stage_of(meta), frozenset(views), claim_id_of(meta))
+
+    def _fetch_args(
+        self, meta: Any, columns: Any, layout: str, output: str | None, copy: bool, device: Any
+    ) -> tuple[list[str], str, str]:
+        """Validates fetch arguments (before anything is claimed or read): (columns, layout, output)."""
+        if layout not in _LAYOUTS:
+            raise InvalidArgument(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+        output = output or self.output
+        if output not in _OUTPUTS:
+            raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
+        check_device_output(device, output, copy)
+        if not copy:
+            if not self._backend.views:
+                raise Unsupported(
+                    f"fetch(copy=False) (zero-copy views) is local-backend only; this dock's backend is "
+                    f"{self.backend!r}: fetch with copy=True"
+                )
+            if layout != "packed" or output == "tensordict":
+                raise InvalidArgument(
+                    "fetch(copy=False) returns views of the packed arenas: it needs layout='packed' and "
+                    f"output 'numpy' or 'torch', got layout={layout!r}, output={output!r}"
+                )
+        if columns is None:
+            stage = stage_of(meta) if not isinstance(meta, str) else meta
+            if stage is None:
+                raise InvalidArgument("fetch of plain row ids needs columns=")
+            columns = self.stages[stage]
+        columns = [columns] if isinstance(columns, str) else list(columns)
+        for c in columns:
+            self._cid(c)
+        if output == "tensordict":
+            tensordict_cls()  # InvalidArgument before any work when tensordict is missing
+            check_tensordict_keys(columns, self.columns)
+            layout = "padded"
+        return columns, layout, output
 
     def take(
         self,
@@ -346,15 +373,19 @@ class Dock:
         output: str | None = None,
         device: Any = None,
     ) -> Batch:
-        """claim + fetch in one call; ``batch.rows`` are the claimed rows."""
-        # Before claiming: errors must not strand claimed rows.
-        check_device_output(device, output or self.output, True)
-        if (output or self.output) == "tensordict":
-            tensordict_cls()
-            check_tensordict_keys(columns if columns is not None else self.stages[stage], self.columns)
+        """claim + fetch in one call; ``batch.rows`` are the claimed rows. Arguments are checked before
+        claiming, and a fetch that fails after the claim (e.g. a column not ready) releases it: an error
+        leaves nothing claimed."""
+        self._sid(stage)
+        columns, layout, output = self._fetch_args(stage, columns, layout, output, True, device)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
-        cols = columns if columns is not None else self.stages[stage]
-        return self.fetch(meta, cols, layout, output, device=device)
+        try:
+            return self.fetch(meta, columns, layout, output, device=device)
+        except BaseException:
+            if len(meta):
+                with contextlib.suppress(MsrlError):
+                    self.release(meta)
+            raise
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         """Ends the iteration: clears rows, readiness and claims. Raises InvalidArgument (nothing
@@ -370,7 +401,7 @@ class Dock:
         and each stage keeps the claims it *completed* (a put with the Claim/Batch, or ``complete()``),
         so no stage gets a row twice; a claim not completed does not survive the reset and its group is
         claimable again by that stage (first in line). New puts use the freed rows. Returns the kept
-        row ids (empty without ``keep_unfinished``). Local backend only (Ray: ``Unsupported``)."""
+        row ids (empty without ``keep_unfinished``). Both backends apply the same native rules."""
         kept = self._backend.reset(force, keep_unfinished)
         return np.empty(0, np.int64) if kept is None else kept
 
@@ -378,9 +409,26 @@ class Dock:
         """Wakes blocked claims with ``Closed``; later claims raise ``Closed``."""
         self._backend.close()
 
+    def shutdown(self) -> None:
+        """Ends the dock: wakes blocked claims with ``Closed`` and frees what the backend holds (the
+        Ray backend kills its actors; handles in other processes then raise ``Unavailable``). Calling
+        it again does nothing. ``with Dock(...) as dock:`` calls it on exit."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        with contextlib.suppress(MsrlError):
+            self._backend.close()
+        self._backend.shutdown()
+
+    def __enter__(self) -> Dock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def __getstate__(self) -> dict[str, Any]:
         # A dock handle can be sent to other processes (Ray tasks and actors) with the ray backend.
-        if self.backend != "ray":
+        if not self._backend.picklable:
             raise InvalidArgument("only a backend='ray' dock can be pickled (local docks stay in-process)")
         state = dict(self.__dict__)
         del state["_lat_lock"], state["_lat"]
@@ -401,7 +449,11 @@ class Dock:
         return {s: self._backend.progress(i) for s, i in self._stage_ids.items()}
 
     def stats(self) -> dict[str, Any]:
+        """Sizes, per-stage progress, operation latencies and per-warehouse state: ``warehouse_bytes``
+        holds None for a warehouse that does not answer (dead), and ``warehouses[w]["error"]`` says why;
+        the other warehouses are still reported."""
         ops = self._backend.op_stats()
+        warehouses = self._backend.warehouse_status()
         for op, lat in self._lat.items():
             ops.setdefault(op, {}).update(lat.summary())
         return {
@@ -409,7 +461,8 @@ class Dock:
             "capacity": self.capacity,
             "group_size": self.group_size,
             "allocated_rows": self._backend.allocated_rows(),
-            "warehouse_bytes": self._backend.warehouse_bytes(),
+            "warehouse_bytes": [w["bytes"] for w in warehouses],
+            "warehouses": warehouses,
             "stages": self.progress(),
             "ops": ops,
         }

@@ -19,6 +19,8 @@ def column_tuples(columns: dict[str, Column], rows_per_warehouse: int) -> list[t
 
 class LocalBackend:
     name = "local"
+    views = True
+    picklable = False
 
     def __init__(
         self,
@@ -44,19 +46,21 @@ class LocalBackend:
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         return self._core.put_new(inputs, n)
 
-    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1) -> None:
-        self._core.put(inputs, rows, epoch, stage)
+    def put(
+        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> None:
+        self._core.put(inputs, rows, epoch, stage, claim_id)
 
-    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
-        self._core.complete(stage, rows, epoch)
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._core.complete(stage, rows, epoch, claim_id)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
-    ) -> tuple[np.ndarray, int]:
+    ) -> tuple[np.ndarray, int, int]:
         return self._core.claim(stage, max_rows, min_rows, timeout, max_items)
 
-    def release(self, stage: int, rows: np.ndarray, epoch: int = -1) -> None:
-        self._core.release(stage, rows, epoch)
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._core.release(stage, rows, epoch, claim_id)
 
     def fetch(
         self, cid: int, col: Column, rows: np.ndarray, layout: str, epoch: int = -1
@@ -109,8 +113,8 @@ class LocalBackend:
     def consumed(self, stage: int, row: int) -> bool:
         return self._core.consumed(stage, row)
 
-    def warehouse_bytes(self) -> list[int]:
-        return self._core.warehouse_bytes()
+    def warehouse_status(self) -> list[dict[str, Any]]:
+        return [{"bytes": int(b), "error": None} for b in self._core.warehouse_bytes()]
 
     def op_stats(self) -> dict:
         return self._core.op_stats()
@@ -124,3 +128,6 @@ class LocalBackend:
 
     def close(self) -> None:
         self._core.close()
+
+    def shutdown(self) -> None:
+        self._core.close()  # the memory goes with this object

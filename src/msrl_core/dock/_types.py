@@ -16,6 +16,7 @@ import numpy as np
 from msrl_core.dock import _device
 from msrl_core.errors import InvalidArgument
 
+MAX_WAIT_S = 365 * 86400.0  # claim timeouts are clamped to a year: no deadline overflows anywhere
 DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32")
 # numpy storage dtype of each column dtype (bfloat16 is stored as its 16 raw bits)
 _STORAGE = {
@@ -164,6 +165,15 @@ class Claim:
     rows: np.ndarray
     _warehouse_of: Any = field(default=None, repr=False, compare=False)
     epoch: int = -1  # the iteration (resets so far) the rows belong to; -1 = unchecked
+    claim_id: int = 0  # the claim's identity: release and put check it still holds the rows; 0 = unchecked
+
+    @classmethod
+    def _new(cls, stage: str, rows: np.ndarray, warehouse_of: Any, epoch: int, claim_id: int) -> Claim:
+        """The claim hot path: one dict update instead of the frozen __init__'s setattr per field."""
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        d.update(stage=stage, rows=rows, _warehouse_of=warehouse_of, epoch=epoch, claim_id=claim_id)
+        return obj
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -184,8 +194,10 @@ class Batch(Mapping):
         epoch: int = -1,
         stage: str | None = None,
         views: frozenset[str] = frozenset(),
+        claim_id: int = 0,
     ):
         self.rows = rows
+        self.claim_id = claim_id  # the Claim's identity when fetched with one (take), else 0
         self._data = data
         self.epoch = epoch
         self.stage = stage  # the claiming stage when fetched with a Claim (take), else None
@@ -205,6 +217,18 @@ class Batch(Mapping):
     def __repr__(self) -> str:
         return f"Batch(rows={len(self.rows)}, columns={list(self._data)})"
 
+    def drop(self) -> None:
+        """Drops this batch's columns (zero-copy views included: once no other reference to those
+        arrays is left, their pin on the iteration is gone and ``reset()`` may run)."""
+        self._data = {}
+        self.views = frozenset()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()  # ``with dock.fetch(meta, copy=False) as batch:`` unpins the views at the end
+
 
 RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
 
@@ -212,6 +236,11 @@ RowsLike = Union[Claim, Batch, Sequence[int], np.ndarray, None]
 def epoch_of(rows: Any) -> int:
     """The iteration a Claim/Batch belongs to; -1 (unchecked) for plain row ids."""
     return int(rows.epoch) if isinstance(rows, (Claim, Batch)) else -1
+
+
+def claim_id_of(rows: Any) -> int:
+    """The identity of a Claim (or of the Batch of take()); 0 (unchecked) for plain row ids."""
+    return int(rows.claim_id) if isinstance(rows, (Claim, Batch)) else 0
 
 
 def stage_of(rows: Any) -> str | None:

@@ -1,0 +1,513 @@
+"""Ray backend client: S warehouse actors (bytes) and one controller actor (metadata of every stage).
+
+Data travels through Ray's object store: a put sends each warehouse its slice of the numpy values (one
+call per warehouse, in parallel) and a fetch asks every involved warehouse for its rows at once.
+
+Metadata and data calls from clients on the actors' node skip Ray's task path: each actor serves a Unix
+socket (msrl_core.dock._wire: same uid only, fixed binary encoding) and each client thread keeps one
+connection per actor, closed when the thread ends (a Ray actor round trip costs a few hundred
+microseconds here; the socket round trip tens). Blocking claims wait inside the native controller on a
+condition variable with the GIL released; nothing polls. Clients on other nodes use ordinary actor
+calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from msrl_core import _core
+from msrl_core.dock._actors import ControllerActor, WarehouseActor
+from msrl_core.dock._local import column_tuples
+from msrl_core.dock._types import Column
+from msrl_core.dock._wire import Connection
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
+
+try:
+    import ray
+except ImportError:  # pragma: no cover - optional dependency
+    ray = None  # type: ignore[assignment]
+
+# A client reconnects before using a connection idle this long (the server closes idle ones later).
+_IDLE_RECONNECT_S = float(os.environ.get("MSRL_DOCK_IDLE_TIMEOUT", 600.0)) / 2
+
+
+class _ThreadConns:
+    """One thread's connections to the actors; closed when the thread ends (its thread-local goes)."""
+
+    def __init__(self) -> None:
+        self.conns: dict[str, Connection] = {}
+
+    def close(self) -> None:
+        while self.conns:
+            self.conns.popitem()[1].close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class RayBackend:
+    name = "ray"
+    views = False  # zero-copy views of the shared arenas: not built for Ray yet
+    picklable = True
+
+    def __init__(
+        self,
+        columns: dict[str, Column],
+        stages: dict[str, list[str]],
+        capacity: int,
+        group_size: int,
+        warehouses: int | None,
+        ray_address: str | None = None,
+        ray_init: dict | None = None,
+        actor_cpus: float = 0.1,
+        op_timeout: float = 60.0,
+        fast_path: bool = True,
+        balance_by: str | None = None,
+        _handles: tuple | None = None,
+    ):
+        if ray is None:
+            raise Unavailable("backend='ray' needs ray installed (pip install 'msrl_core[ray]')")
+        self.columns = columns
+        self.capacity, self.group_size = capacity, group_size
+        self.op_timeout = op_timeout
+        self.fast_path = fast_path
+        self._col_list = list(columns.values())
+        self._local = threading.local()
+        # Every thread's connections (weakly: a thread that ends closes its own), closed with the client.
+        self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()
+        self._finalizer = weakref.finalize(self, _close_all, self._threads)
+        self._node: str | None = None
+        self._arena_maps: dict[int, list[np.ndarray]] = {}
+        self._arena_lock = threading.Lock()
+        self.balance_by = balance_by
+        self.length_column = list(columns).index(balance_by) if balance_by else -1
+        if _handles is not None:  # unpickled in another process
+            self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse = (
+                _handles
+            )
+            self.num_warehouses = len(self.warehouses)
+            return
+        if not ray.is_initialized():
+            kw = dict(ray_init or {})
+            if ray_address is not None:
+                kw["address"] = ray_address
+            else:
+                kw.setdefault("num_cpus", os.cpu_count())
+                kw.setdefault("include_dashboard", False)
+            ray.init(**kw)
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        groups = capacity // group_size
+        s = int(warehouses or max(1, len(nodes)))
+        if not 1 <= s <= groups:
+            raise InvalidArgument(f"warehouses must be in [1, {groups}] (one group at least each), got {s}")
+        self.num_warehouses = s
+        names = list(columns)
+        stage_cols = [(st, [names.index(c) for c in cols]) for st, cols in stages.items()]
+        ctl_cls = ray.remote(ControllerActor)
+        self.controller = ctl_cls.options(num_cpus=actor_cpus, max_concurrency=64).remote(
+            stage_cols, capacity, group_size, s, self.length_column
+        )
+        wh_cls = ray.remote(WarehouseActor)
+        self.warehouses = []
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for w in range(s):
+            gb, ge = w * groups // s, (w + 1) * groups // s
+            rows = (ge - gb) * group_size
+            node = nodes[w % len(nodes)]["NodeID"] if nodes else None
+            opts: dict[str, Any] = {"num_cpus": actor_cpus, "max_concurrency": 8}
+            if node is not None:
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
+            self.warehouses.append(
+                wh_cls.options(**opts).remote(w, gb * group_size, rows, column_tuples(columns, rows))
+            )
+        self.endpoint = self._get(self.controller.endpoint.remote(), "controller")
+        self.wh_endpoints = [
+            self._get(h.endpoint.remote(), f"warehouse {w}") for w, h in enumerate(self.warehouses)
+        ]
+        gw = np.empty(groups, dtype=np.int32)
+        for w in range(s):
+            gw[w * groups // s : (w + 1) * groups // s] = w
+        self.group_warehouse = gw
+
+    def __reduce__(self):
+        # Handles are serializable: another process (a Ray task or actor) gets a client to the same dock.
+        handles = (self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse)
+        cols = self.columns
+        return (
+            _rebuild,
+            (cols, self.capacity, self.group_size, self.op_timeout, self.fast_path, self.balance_by, handles),
+        )
+
+    # -- plumbing --
+
+    def _get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(refs, timeout=timeout if timeout is not None else self.op_timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise Timeout(f"{what} did not answer within {timeout or self.op_timeout} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise Unavailable(f"{what} actor died: {e}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
+            if isinstance(cause, MsrlError):
+                raise cause from None
+            raise MsrlError(f"{what} failed: {type(cause or e).__name__}: {cause or e}") from None
+
+    def _node_id(self) -> str:
+        if self._node is None:
+            self._node = ray.get_runtime_context().get_node_id()
+        return self._node
+
+    def _conn(self, key: str, endpoint: tuple[str, str]) -> Connection | None:
+        """This thread's connection to a same-node actor's socket, or None (use Ray calls)."""
+        if not self.fast_path or not endpoint[1]:
+            return None
+        mine = getattr(self._local, "conns", None)
+        if mine is None:
+            mine = self._local.conns = _ThreadConns()
+            self._threads.add(mine)
+        conn = mine.conns.get(key)
+        if conn is None:
+            node, path = endpoint
+            if node != self._node_id():
+                return None
+            conn = mine.conns[key] = Connection(path, key, _IDLE_RECONNECT_S)
+        return conn
+
+    def _rpc(self, conn: Connection, op: str, args: tuple, wait: float, fds: bool = False) -> Any:
+        return conn.call(op, args, wait, fds, margin=self.op_timeout)  # op_timeout on every path
+
+    def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
+        conn = self._conn("controller", self.endpoint)
+        if conn is None:
+            return self._get(self.controller.call.remote(op, *args), "controller", wait + self.op_timeout)
+        return self._rpc(conn, op, args, wait)
+
+    def _wh(self, w: int, op: str, *args: Any) -> Any:
+        key = f"warehouse {w}"
+        conn = self._conn(key, self.wh_endpoints[w])
+        if conn is None:
+            raise Unavailable(f"{key}: no same-node connection")
+        return self._rpc(conn, op, args, 0.0)
+
+    def _shared(self) -> bool:
+        """True when every warehouse shares its arenas with this process (same node, Linux)."""
+        if not self.fast_path:
+            return False
+        node = self._node_id()
+        return all(path and n == node for n, path in self.wh_endpoints)
+
+    def _arenas(self, w: int) -> list[np.ndarray]:
+        maps = self._arena_maps.get(w)
+        if maps is None:
+            import mmap
+
+            with self._arena_lock:
+                maps = self._arena_maps.get(w)
+                if maps is None:
+                    key = f"warehouse {w}"
+                    conn = self._conn(key, self.wh_endpoints[w])
+                    assert conn is not None
+                    sizes, fds = self._rpc(conn, "arena_fds", (), 0.0, fds=True)
+                    maps = []
+                    try:
+                        if len(sizes) != len(fds):
+                            raise Unavailable(f"{key} sent {len(fds)} arena fds for {len(sizes)} arenas")
+                        for size, fd in zip(sizes, fds):
+                            maps.append(np.frombuffer(mmap.mmap(fd, int(size)), dtype=np.uint8))
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                    self._arena_maps[w] = maps
+        return maps
+
+    # -- backend interface --
+
+    def warehouse_of(self, rows: np.ndarray) -> np.ndarray:
+        return self.group_warehouse[rows // self.group_size]
+
+    def _split(self, rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(warehouse, positions into rows) for every warehouse holding some of the rows."""
+        wh = self.warehouse_of(rows)
+        order = np.argsort(wh, kind="stable")
+        bounds = np.searchsorted(wh[order], np.arange(self.num_warehouses + 1))
+        return [
+            (w, order[bounds[w] : bounds[w + 1]])
+            for w in range(self.num_warehouses)
+            if bounds[w + 1] > bounds[w]
+        ]
+
+    def _put_shared(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
+        """Same-node put: reserve in every warehouse, copy into the shared arenas, commit, publish."""
+        parts = self._split(rows)
+        # Source byte offsets of every row, per column.
+        src = []
+        for cid, vals, lengths in inputs:
+            col = self._col_list[cid]
+            flat = vals.reshape(-1).view(np.uint8)
+            if lengths is None:
+                offs = np.arange(len(rows), dtype=np.int64) * col.item_bytes
+            else:
+                offs = np.zeros(len(lengths), dtype=np.int64)
+                np.cumsum(lengths[:-1], out=offs[1:])
+                offs *= col.item_bytes
+            src.append((flat, offs))
+        reserved: list[tuple[int, int]] = []
+        try:
+            for w, pos in parts:
+                spec = [(cid, None if lengths is None else lengths[pos]) for cid, _, lengths in inputs]
+                rid, dst = self._wh(w, "reserve", spec, rows[pos], epoch)
+                reserved.append((w, rid))
+                arenas = self._arenas(w)
+                for (cid, _, _), (flat, offs), (dst_offs, nbytes) in zip(inputs, src, dst):
+                    _core.dock_copy_rows(arenas[cid], dst_offs, flat, offs[pos], nbytes)
+        except BaseException:
+            for w, rid in reserved:
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "abort", rid)
+            raise
+        for w, rid in reserved:
+            self._wh(w, "commit", rid)
+
+    def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
+        """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
+        parts = self._split(rows)
+        cids = [cid for cid, _ in cols]
+        leases: list[tuple[int, int]] = []
+        try:
+            located = []
+            for w, pos in parts:
+                lid, locs = self._wh(w, "locate", cids, rows[pos], epoch)
+                leases.append((w, lid))
+                located.append(locs)
+            out = []
+            for k, (cid, col) in enumerate(cols):
+                lengths = np.empty(len(rows), dtype=np.int64)
+                for (_, pos), locs in zip(parts, located):
+                    lengths[pos] = locs[k][1]
+                item = col.item_bytes
+                row_bytes = lengths * item
+                dst_offs = np.zeros(len(rows), dtype=np.int64)
+                np.cumsum(row_bytes[:-1], out=dst_offs[1:])
+                total = int(lengths.sum())
+                if col.ragged:
+                    arr = np.empty((total, *col.shape), dtype=col.storage_dtype)
+                else:
+                    arr = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
+                flat = arr.reshape(-1).view(np.uint8)
+                for (w, pos), locs in zip(parts, located):
+                    _core.dock_copy_rows(
+                        flat, dst_offs[pos], self._arenas(w)[cid], locs[k][0], row_bytes[pos]
+                    )
+                out.append((arr, lengths if col.ragged else None))
+            return out
+        finally:
+            for w, lid in leases:
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "unlease", lid)
+
+    def _put_rows(
+        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> None:
+        if self._shared():
+            self._put_shared(inputs, rows, epoch)
+        else:
+            self._put_actor_calls(inputs, rows, epoch)
+        lengths = _lengths_of(inputs, self.length_column)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id)
+
+    def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
+        parts = self._split(rows)
+        refs, used = [], []
+        for w, pos in parts:
+            sub = []
+            for cid, vals, lengths in inputs:
+                if lengths is None:
+                    sub.append((cid, vals[pos], None))
+                else:
+                    offs = np.zeros(len(lengths) + 1, dtype=np.int64)
+                    np.cumsum(lengths, out=offs[1:])
+                    if len(pos) and (np.diff(pos) == 1).all():
+                        piece = vals[offs[pos[0]] : offs[pos[-1] + 1]]
+                    else:
+                        piece = np.concatenate([vals[offs[p] : offs[p + 1]] for p in pos])
+                    sub.append((cid, piece, lengths[pos]))
+            refs.append(self.warehouses[w].put.remote(sub, rows[pos], epoch))
+            used.append((w, pos))
+        errors: list[BaseException] = []
+        ok: list[tuple[int, np.ndarray]] = []
+        for (w, pos), ref in zip(used, refs):
+            try:
+                self._get(ref, f"warehouse {w}")
+                ok.append((w, pos))
+            except BaseException as e:
+                errors.append(e)
+        if errors:  # all-or-nothing: undo the warehouses that stored their part
+            cids = [cid for cid, _, _ in inputs]
+            for w, pos in ok:
+                self._get(self.warehouses[w].erase.remote(cids, rows[pos]), f"warehouse {w}")
+            raise errors[0]
+
+    def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
+        rows = self._ctl("allocate", n)
+        try:
+            self._put_rows(inputs, rows)
+        except BaseException:
+            self._ctl("free", rows)
+            raise
+        return rows
+
+    def put(
+        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> None:
+        self._ctl("check_put", rows, epoch, stage, claim_id)
+        self._put_rows(inputs, rows, epoch, stage, claim_id)
+
+    def claim(
+        self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
+    ) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl(
+            "claim", stage, max_rows, min_rows, timeout, max_items, wait=timeout
+        )
+        # Order by warehouse (groups stay whole) so a fetch concatenates warehouse answers directly.
+        wh = self.warehouse_of(rows)
+        if len(wh) and (np.diff(wh) < 0).any():
+            rows = rows[np.argsort(wh, kind="stable")]
+        return rows, int(epoch), int(claim_id)
+
+    def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._ctl("release", stage, rows, epoch, claim_id)
+
+    def fetch_many(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
+    ) -> list[tuple]:
+        """One request per involved warehouse for all columns; answers are concatenated in row order."""
+        if self._shared():
+            shared = self._fetch_shared(cols, rows, epoch)
+            return [self._pad(arr, lengths, col, layout) for (arr, lengths), (_, col) in zip(shared, cols)]
+        parts = self._split(rows)
+        specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
+        refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
+        got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(parts, refs)]
+        order = np.concatenate([pos for _, pos in parts]) if parts else np.empty(0, np.int64)
+        inv = None
+        if (np.diff(order) < 0).any():  # rows were not grouped by warehouse: restore the caller's order
+            inv = np.empty_like(order)
+            inv[order] = np.arange(len(order))
+        results: list[tuple] = []
+        for k, (_, col) in enumerate(cols):
+            pieces = [g[k] for g in got]
+            lengths: Any
+            if not pieces:
+                arr = np.empty((0, *col.shape), dtype=col.storage_dtype)
+                lengths = np.empty(0, np.int64) if col.ragged else None
+            elif len(pieces) == 1:
+                arr, lengths = pieces[0]
+            else:
+                arr = np.concatenate([a for a, _ in pieces])
+                lengths = np.concatenate([x for _, x in pieces]) if col.ragged else None
+            if inv is not None:
+                if col.ragged:
+                    offs = np.zeros(len(lengths) + 1, dtype=np.int64)
+                    np.cumsum(lengths, out=offs[1:])
+                    arr = np.concatenate([arr[offs[i] : offs[i + 1]] for i in inv])
+                    lengths = lengths[inv]
+                else:
+                    arr = arr[inv]
+            results.append(self._pad(arr, lengths, col, layout))
+        return results
+
+    @staticmethod
+    def _pad(arr: np.ndarray, lengths: Any, col: Column, layout: str) -> tuple:
+        if col.ragged and layout == "padded":
+            width = int(lengths.max()) if len(lengths) else 0
+            mask = np.arange(width)[None, :] < lengths[:, None]
+            padded = np.zeros((len(lengths), width, *col.shape), dtype=col.storage_dtype)
+            padded[mask] = arr
+            arr = padded
+        return arr, lengths
+
+    def fetch_view(
+        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
+    ) -> tuple[np.ndarray, Any, bool]:
+        raise Unsupported("zero-copy views (fetch(copy=False)) are not built for the ray backend")
+
+    def progress(self, stage: int) -> dict:
+        return self._get(self.controller.call.remote("progress", stage), "controller")
+
+    def warehouse_status(self) -> list[dict[str, Any]]:
+        """Per warehouse: bytes held, or None with the error when it does not answer (dead)."""
+        refs = [h.bytes_held.remote() for h in self.warehouses]
+        out: list[dict[str, Any]] = []
+        for w, ref in enumerate(refs):
+            try:
+                out.append({"bytes": int(self._get(ref, f"warehouse {w}")), "error": None})
+            except (Unavailable, Timeout) as e:
+                out.append({"bytes": None, "error": str(e)})
+        return out
+
+    def op_stats(self) -> dict:
+        """Dock-wide put/claim counts and rows (the controller's); latencies are this client's."""
+        return self._get(self.controller.call.remote("op_stats"), "controller")
+
+    def allocated_rows(self) -> int:
+        return self._get(self.controller.call.remote("allocated_rows"), "controller")
+
+    def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._ctl("complete", stage, rows, epoch, claim_id)
+
+    def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
+        # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
+        # starting between this check and the warehouse resets can still make one of them refuse).
+        if not force:
+            self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
+        epoch, kept = self._get(self.controller.call.remote("reset", keep_unfinished), "controller")
+        per_wh = {w: kept[pos] for w, pos in self._split(kept)}
+        empty = np.empty(0, np.int64)
+        refs = [h.reset.remote(epoch, force, per_wh.get(w, empty)) for w, h in enumerate(self.warehouses)]
+        self._get(refs, "warehouses")
+        return kept
+
+    def close(self) -> None:
+        with contextlib.suppress(Unavailable, Timeout, Closed):
+            self._get(self.controller.call.remote("close"), "controller")
+
+    def shutdown(self) -> None:
+        """Kills the actors of this dock."""
+        _close_all(self._threads)
+        for h in [self.controller, *self.warehouses]:
+            with contextlib.suppress(Exception):  # already dead, or Ray shutting down: nothing to kill
+                ray.kill(h)
+
+
+def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:
+    for cid, _, lengths in inputs:
+        if cid == column:
+            return lengths
+    return None
+
+
+def _close_all(threads: weakref.WeakSet[_ThreadConns]) -> None:
+    for t in list(threads):
+        t.close()
+
+
+def _rebuild(columns, capacity, group_size, op_timeout, fast_path, balance_by, handles) -> RayBackend:
+    return RayBackend(
+        columns,
+        {},
+        capacity,
+        group_size,
+        None,
+        op_timeout=op_timeout,
+        fast_path=fast_path,
+        balance_by=balance_by,
+        _handles=handles,
+    )
