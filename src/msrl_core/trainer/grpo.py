@@ -1,0 +1,387 @@
+"""The GRPO trainer: engines, the weight switch and the stage table over one ``Dock`` per iteration.
+
+One step:
+
+1. ``allgather_swap`` fills the rollout engine's HF-layout weights from the training shards and swaps the
+   training weights out to pinned host memory (``timing/resharding_to_infer``);
+2. the prompts of the step are put into the dock (``rollout.n`` rows each, one group per prompt) and the
+   stage workers run (:mod:`msrl_core.trainer.stages`): rollout samples group by group while reference and
+   rule_reward score the groups already sampled and adv normalises them;
+3. when the rollout has consumed every row, ``swap_back()`` + ``wait()`` bring the training weights back
+   (``timing/resharding_to_train``), which opens the gate of old_log_p and update;
+4. update runs ``ppo_epochs`` x mini-batches of the clipped GRPO loss.
+
+The trainer moves no data of its own: samples go through the dock, weights through ``allgather_swap``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+import msrl_core
+from msrl_core.reshard import ModelConfig, to_hf
+from msrl_core.trainer import algorithm as A
+from msrl_core.trainer.stages import StageRunner, StageTimes, grpo_stages, make_dock
+
+
+def model_config(cfg: Any) -> ModelConfig:
+    """The reshard ``ModelConfig`` of the ``model.*`` section."""
+    m = cfg.model
+    return ModelConfig(
+        arch=m.arch,
+        hidden_size=int(m.hidden_size),
+        num_layers=int(m.num_layers),
+        num_attention_heads=int(m.num_attention_heads),
+        num_key_value_heads=int(m.num_query_groups),
+        intermediate_size=int(m.ffn_hidden_size),
+        vocab_size=int(m.vocab_size),
+        qkv_bias=bool(m.qkv_bias) or m.arch == "qwen2",
+        tie_word_embeddings=bool(m.tie_word_embeddings),
+        qk_norm=m.arch == "qwen3",
+        make_vocab_size_divisible_by=int(m.get("make_vocab_size_divisible_by", 8)),
+        dtype=str(m.dtype),
+    )
+
+
+@dataclass
+class Packed:
+    """Prompt + response rows, right-padded: ``tokens`` [B, L]; the response token j of row i is
+    ``tokens[i, pos[i, j] + 1]``, predicted at ``pos[i, j]``; ``mask`` [B, R] marks real response tokens."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    responses: torch.Tensor
+    mask: torch.Tensor
+
+
+def pack(prompts: Any, responses: Any, pad_id: int) -> Packed:
+    ps = [torch.as_tensor(np.asarray(p)) for p in prompts]
+    rs = [torch.as_tensor(np.asarray(r)) for r in responses]
+    B = len(ps)
+    L = max(len(p) + len(r) for p, r in zip(ps, rs))
+    R = max(1, max(len(r) for r in rs))
+    tokens = torch.full((B, L), pad_id, dtype=torch.int64)
+    pos = torch.zeros((B, R), dtype=torch.int64)
+    resp = torch.full((B, R), pad_id, dtype=torch.int64)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(ps, rs)):
+        tokens[i, : len(p)] = p
+        tokens[i, len(p) : len(p) + len(r)] = r
+        resp[i, : len(r)] = r
+        mask[i, : len(r)] = 1.0
+        pos[i] = (len(p) - 1 + torch.arange(R)).clamp(max=L - 1)
+    return Packed(tokens, pos, resp, mask)
+
+
+def padded(rows: Any, width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(np.asarray(r))
+    return out
+
+
+def response_log_probs(
+    engine: Any, pk: Packed, rows: Any, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of ``rows`` under ``engine`` at ``temperature``."""
+    L = int(pk.pos[rows].max()) + 2
+    logits = engine.logits(pk.tokens[rows, :L])
+    V = logits.shape[-1]
+    at = torch.gather(logits, 1, pk.pos[rows].unsqueeze(-1).expand(-1, -1, V)) / temperature
+    lp = A.log_probs_from_logits(at, pk.responses[rows])
+    return lp, (A.entropy_from_logits(at) if entropy else None)
+
+
+def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
+    return [v.detach().numpy().astype(dtype) for v in values]
+
+
+class GRPOTrainer:
+    """Engines, optimizer, dock and stage table of one run. ``records``: training prompts
+    ``[{"prompt", "answer"}]``; ``reward_fn(prompt, response, answer) -> float``."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        tokenizer: Any,
+        train_records: list[dict],
+        reward_fn: Any,
+        train_engine: Any,
+        sampler_factory: Any,
+        score: Any,
+    ) -> None:
+        self.cfg, self.tok = cfg, tokenizer
+        self.records = train_records
+        self.reward_fn, self._score = reward_fn, score
+        self.engine = train_engine
+        self.n = int(cfg.rollout.n)
+        self.batch_prompts = int(cfg.data.global_batch_size)
+        self.batch_rows = self.batch_prompts * self.n
+        self.temperature = float(cfg.rollout.temperature)
+        a = cfg.actor
+        mb_rows = int(a.ppo_mini_batch_size) * self.n
+        self.mini_batch_rows = mb_rows
+        self.on_policy = int(a.ppo_epochs) == 1 and mb_rows == self.batch_rows
+        self.use_reference = float(a.kl_loss_coef) != 0.0
+        self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
+        self.optimizer = torch.optim.AdamW(
+            self.engine.parameters(), lr=float(a.lr), weight_decay=float(a.weight_decay), betas=(0.9, 0.999)
+        )
+        # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
+        self.plan = to_hf(self.engine.model_config, self.engine.parallel)
+        self.flat, self.views = self.plan.allocate_inference()
+        self.sampler = sampler_factory(self.views)
+        self.stages = grpo_stages(
+            self.batch_rows,
+            self.n,
+            int(cfg.rollout.get("claim_groups", 2)),
+            use_reference=self.use_reference,
+            recompute_old=not self.on_policy,
+        )
+        self.dock = make_dock(
+            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), **self._dock_kw()
+        )
+        work = {
+            "rollout": self._rollout,
+            "reference": self._reference,
+            "rule_reward": self._rule_reward,
+            "adv": self._adv,
+            "old_log_p": self._old_log_p,
+            "update": self._update,
+        }
+        self.runner = StageRunner(
+            self.dock, self.stages, work, deadline_s=float(cfg.trainer.get("step_timeout_s", 600))
+        )
+        self.step_index = 0
+        self._rng = np.random.default_rng(int(cfg.data.seed))
+        self._swap: Any = None
+        self._gen = torch.Generator()
+
+    def _dock_kw(self) -> dict[str, Any]:
+        d = self.cfg.dock
+        if d.backend == "ray":
+            kw: dict[str, Any] = {"backend": "ray"}
+            if d.get("ray_address"):
+                kw["ray_address"] = d.ray_address
+            return kw
+        return {"backend": "local"}
+
+    # ---- stage work ----------------------------------------------------------------------------------
+
+    def _rollout(self, batch: Any) -> dict[str, Any]:
+        prompts = [torch.as_tensor(np.asarray(p)) for p in batch["prompts"]]
+        r = self.cfg.rollout
+        toks, lps = self.sampler.generate(
+            prompts,
+            int(r.max_response_length),
+            self.tok.eos_id,
+            self.tok.pad_id,
+            self.temperature,
+            float(r.top_p),
+            self._gen,
+        )
+        return {"responses": _ragged_out(toks, np.int64), "rollout_log_prob": _ragged_out(lps, np.float32)}
+
+    def _logp_of(self, engine: Any, batch: Any) -> list[np.ndarray]:
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        with torch.no_grad():
+            lp, _ = response_log_probs(engine, pk, slice(None), self.temperature)
+        lens = pk.mask.sum(1).long().tolist()
+        return [lp[i, :n].numpy().astype(np.float32) for i, n in enumerate(lens)]
+
+    def _reference(self, batch: Any) -> dict[str, Any]:
+        return {"ref_log_prob": self._logp_of(self.ref_engine, batch)}
+
+    def _old_log_p(self, batch: Any) -> dict[str, Any]:
+        return {"old_log_prob": self._logp_of(self.engine, batch)}
+
+    def _rule_reward(self, batch: Any) -> dict[str, Any]:
+        scores = []
+        for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
+            rec = self.records[i]
+            scores.append(self._score(self.reward_fn, rec["prompt"], self.tok.decode(r), rec["answer"]))
+        return {"scores": np.asarray(scores, dtype=np.float32)}
+
+    def _adv(self, batch: Any) -> dict[str, Any]:
+        rows = np.asarray(batch.rows)
+        order = np.argsort(rows, kind="stable")  # group members are consecutive row ids
+        scores = torch.as_tensor(np.asarray(batch["scores"])[order])
+        adv = A.grpo_advantages(scores, self.n, bool(self.cfg.algorithm.norm_adv_by_std)).numpy()
+        out = np.empty_like(adv)
+        out[order] = adv
+        return {"advantages": out.astype(np.float32)}
+
+    def _update(self, batch: Any) -> None:
+        a = self.cfg.actor
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        R = pk.mask.shape[1]
+        adv = torch.as_tensor(np.asarray(batch["advantages"]))
+        rollout_lp = padded(batch["rollout_log_prob"], R)
+        ref_lp = padded(batch["ref_log_prob"], R) if self.use_reference else None
+        old_lp = None if self.on_policy else padded(batch["old_log_prob"], R)
+        B = len(adv)
+        order = A.mini_batches(B, self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
+        micro = int(a.micro_batch_size)
+        sums: dict[str, list[float]] = {}
+        diffs: list[torch.Tensor] = []
+        onpolicy_old = torch.zeros_like(rollout_lp)
+        for mb_i, mb in enumerate(order):
+            self.optimizer.zero_grad(set_to_none=True)
+            mbt = torch.as_tensor(mb)
+            ntok, nseq = float(pk.mask[mbt].sum()), float(len(mb))
+            acc: dict[str, float] = {}
+            for s in range(0, len(mb), micro):
+                rows = mbt[s : s + micro]
+                lp, ent = response_log_probs(self.engine, pk, rows, self.temperature, entropy=True)
+                if old_lp is None:  # exactly on-policy: this forward is the old policy
+                    old = lp.detach()
+                    if mb_i == 0:
+                        onpolicy_old[rows] = old
+                else:
+                    old = old_lp[rows]
+                loss, m = A.actor_loss(
+                    lp,
+                    old,
+                    None if ref_lp is None else ref_lp[rows],
+                    adv[rows],
+                    pk.mask[rows],
+                    ent,
+                    clip_ratio_low=float(a.clip_ratio_low),
+                    clip_ratio_high=float(a.clip_ratio_high),
+                    kl_loss_coef=float(a.kl_loss_coef),
+                    kl_loss_type=str(a.kl_loss_type),
+                    entropy_coeff=float(a.entropy_coeff),
+                    loss_agg_mode=str(a.loss_agg_mode),
+                    num_tokens=ntok,
+                    num_seqs=nseq,
+                )
+                loss.backward()
+                w = len(rows) / len(mb)
+                for k, v in m.items():  # losses are already scaled to the mini-batch; fractions weighted
+                    acc[k] = acc.get(k, 0.0) + (v if k.endswith("_loss") else v * w)
+            gn = self.engine.grad_norm_and_clip(float(a.clip_grad))
+            acc["actor/grad_norm"] = gn
+            if math.isfinite(gn):
+                self.optimizer.step()
+            for k, v in acc.items():
+                sums.setdefault(k, []).append(v)
+        old_all = onpolicy_old if old_lp is None else old_lp
+        diffs.append(((old_all - rollout_lp).abs() * pk.mask)[pk.mask.bool()])
+        d = torch.cat(diffs)
+        self._upd_metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        self._upd_metrics["training/rollout_probs_diff_max"] = float(d.max()) if d.numel() else 0.0
+        self._upd_metrics["training/rollout_probs_diff_mean"] = float(d.mean()) if d.numel() else 0.0
+        self._upd_metrics["response_length/mean"] = float(pk.mask.sum(1).mean())
+        self._upd_metrics["grpo/score/mean"] = float("nan")  # filled by the driver from the dock
+        self._tokens = int(pk.mask.sum()) + sum(len(p) for p in batch["prompts"])
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def _step_seed(self) -> int:
+        return int(self.cfg.trainer.seed) * 100_003 + self.step_index
+
+    def next_prompt_indices(self) -> np.ndarray:
+        return self._rng.integers(0, len(self.records), size=self.batch_prompts)
+
+    def step(self, indices: np.ndarray) -> dict[str, float]:
+        """One GRPO iteration over the prompts ``self.records[indices]``; returns its metrics."""
+        t_all = time.perf_counter()
+        self._gen.manual_seed(self._step_seed())
+        times = StageTimes()
+        gate = threading.Event()
+        metrics: dict[str, float] = {"step": float(self.step_index)}
+        self.dock.reset()
+        # 1. weights -> rollout engine (training copy swapped out)
+        t0 = time.perf_counter()
+        self._swap = msrl_core.allgather_swap(
+            self.engine.train_params(),
+            self.flat,
+            self.plan,
+            self.engine.groups,
+            bucket_bytes=int(float(self.cfg.reshard.bucket_mb) * (1 << 20)),
+            swap=bool(self.cfg.reshard.get("swap", True)),
+        )
+        metrics["timing/resharding_to_infer"] = time.perf_counter() - t0
+        tele = dict(self._swap.telemetry)
+        swap_back_s = [0.0]
+
+        def weights_back() -> None:
+            t = time.perf_counter()
+            if self._swap.state != "back":
+                self._swap.swap_back()
+                self._swap.wait()
+            swap_back_s[0] = time.perf_counter() - t
+            gate.set()
+
+        self.runner.on_done["rollout"] = weights_back
+        # 2. prompts in: one group of n rows per prompt
+        prompts = [np.asarray(self.tok.encode(self.records[i]["prompt"]), np.int64) for i in indices]
+        self.dock.put(
+            {
+                "prompts": [p for p in prompts for _ in range(self.n)],
+                "index": np.repeat(np.asarray(indices, np.int64), self.n),
+            }
+        )
+        try:
+            self.runner.run(times, {"train_weights": gate})
+        finally:
+            if self._swap.state != "back":  # a failure before the rollout finished: weights back anyway
+                self._swap.swap_back()
+                self._swap.wait()
+        progress = self.dock.progress()
+        scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
+        total = time.perf_counter() - t_all
+        metrics.update(self._upd_metrics)
+        metrics["grpo/score/mean"] = float(np.mean(scores))
+        metrics["timing/resharding_to_train"] = swap_back_s[0]
+        metrics["timing/all"] = total
+        for s in self.stages:
+            metrics[f"timing/{s.name}"] = times.busy(s.name)
+        metrics.update(_non_overlap(times, total))
+        metrics["e2e_tps"] = self._tokens / max(total, 1e-9) / self.world_size()
+        for k, v in tele.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                metrics[f"reshard/{k}"] = float(v)
+        metrics.update(_dock_metrics(self.dock.stats(), progress))
+        self.step_index += 1
+        return metrics
+
+    def world_size(self) -> int:
+        p = self.engine.parallel
+        return p.tp * p.pp
+
+
+def _non_overlap(times: StageTimes, total: float) -> dict[str, float]:
+    """Per stage, the busy time during which no other stage was busy."""
+    out = {}
+    for name, ivs in times.intervals.items():
+        others = [iv for n, ivs2 in times.intervals.items() if n != name for iv in ivs2]
+        alone = 0.0
+        for a, b in ivs:
+            cuts = sorted((max(a, x), min(b, y)) for x, y in others if min(b, y) > max(a, x))
+            covered, cur = 0.0, a
+            for x, y in cuts:
+                if y > cur:
+                    covered += y - max(x, cur)
+                    cur = y
+            alone += (b - a) - covered
+        out[f"timing/non_overlap_{name}"] = alone
+    return out
+
+
+def _dock_metrics(stats: dict[str, Any], progress: dict[str, dict[str, int]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for op, d in stats.get("ops", {}).items():
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+                out[f"dock/{op}_{k}"] = float(v)
+    for stage, p in progress.items():
+        out[f"dock/consumed_{stage}"] = float(p.get("consumed_rows", 0))
+    return out
