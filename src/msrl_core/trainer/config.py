@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import os
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from msrl_core.reshard.layout import ModelConfig
 from msrl_core.trainer.algorithm import AGG_MODES, KL_KINDS, check_clip_ratios
 from msrl_core.trainer.errors import ConfigError
+from msrl_core.trainer.reward import load_reward_fn
 
 # The allowed values of the choice keys, in one table (validate() and the docs read it).
 CHOICES: Mapping[str, tuple[str, ...]] = {
@@ -314,59 +315,60 @@ def model_config(cfg: DictConfig) -> ModelConfig:
     )
 
 
+# Keys that count something and must be >= 1, and those that may also be 0 (0 = off / dense).
+_AT_LEAST_ONE = [
+    "model.vocab_size",
+    "model.hidden_size",
+    "model.ffn_hidden_size",
+    "model.num_layers",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.max_position_embeddings",
+    "actor.tp",
+    "actor.pp",
+    "actor.ep",
+    "actor.ppo_mini_batch_size",
+    "actor.micro_batch_size",
+    "actor.ppo_epochs",
+    "rollout.tp",
+    "rollout.n",
+    "rollout.max_prompt_length",
+    "rollout.max_response_length",
+    "data.global_batch_size",
+    "dock.warehouses",
+    "reshard.bucket_mb",
+    "trainer.steps",
+]
+_AT_LEAST_ZERO = (
+    "model.num_experts",
+    "model.moe_intermediate_size",
+    "trainer.save_every",
+    "trainer.val_every",
+)
+
+
 def _divides(problems: list[str], a_key: str, a: int, b_key: str, b: int) -> None:
     if a >= 1 and b % a:
         allowed = [d for d in range(1, b + 1) if b % d == 0] if b >= 1 else []
         problems.append(f"{a_key}={a} does not divide {b_key}={b}; allowed: {allowed}")
 
 
-def _positive(problems: list[str], cfg: DictConfig, keys: Iterable[str], minimum: float = 1) -> None:
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value < minimum:
-            problems.append(f"{key}={value} must be >= {minimum}")
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` listing every impossible combination (values and what is allowed)."""
-    problems: list[str] = []
+def _check_scalars(cfg: DictConfig, problems: list[str]) -> None:
+    """Choice keys hold an allowed value; counts are positive."""
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    m, a, r, d = cfg.model, cfg.actor, cfg.rollout, cfg.data
-    _positive(
-        problems,
-        cfg,
-        [
-            "model.vocab_size",
-            "model.hidden_size",
-            "model.ffn_hidden_size",
-            "model.num_layers",
-            "model.num_attention_heads",
-            "model.num_query_groups",
-            "model.max_position_embeddings",
-            "actor.tp",
-            "actor.pp",
-            "actor.ep",
-            "actor.ppo_mini_batch_size",
-            "actor.micro_batch_size",
-            "actor.ppo_epochs",
-            "rollout.tp",
-            "rollout.n",
-            "rollout.max_prompt_length",
-            "rollout.max_response_length",
-            "data.global_batch_size",
-            "dock.warehouses",
-            "reshard.bucket_mb",
-            "trainer.steps",
-        ],
-    )
-    _positive(problems, cfg, ["model.num_experts", "trainer.save_every", "trainer.val_every"], minimum=0)
-    if problems:  # the relations below divide by these
-        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    for keys, minimum in ((_AT_LEAST_ONE, 1), (_AT_LEAST_ZERO, 0)):
+        for key in keys:
+            value = OmegaConf.select(cfg, key)
+            if value < minimum:
+                problems.append(f"{key}={value} must be >= {minimum}")
 
-    # model shape
+
+def _check_model(cfg: DictConfig, problems: list[str]) -> None:
+    """Head counts divide, MoE sizes match the arch, prompt + response fit the positions."""
+    m, r = cfg.model, cfg.rollout
     _divides(problems, "model.num_attention_heads", m.num_attention_heads, "model.hidden_size", m.hidden_size)
     _divides(
         problems,
@@ -391,23 +393,28 @@ def validate(cfg: DictConfig) -> None:
             f"model.rope_theta={m.rope_theta} and model.norm_epsilon={m.norm_epsilon} must be > 0"
         )
 
-    # parallel sizes
+
+def _check_parallel(cfg: DictConfig, problems: list[str]) -> None:
+    """TP divides the heads and KV groups, PP the layers, EP the experts; HF engines run unsharded."""
+    m, a, r = cfg.model, cfg.actor, cfg.rollout
     for side in ("actor", "rollout"):
         tp = cfg[side].tp
         _divides(problems, f"{side}.tp", tp, "model.num_attention_heads", m.num_attention_heads)
         _divides(problems, f"{side}.tp", tp, "model.num_query_groups", m.num_query_groups)
     _divides(problems, "actor.pp", a.pp, "model.num_layers", m.num_layers)
-    if a.ep > 1:
-        if m.num_experts == 0:
-            problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
-        else:
-            _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
+    if a.ep > 1 and m.num_experts == 0:
+        problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
+    elif a.ep > 1:
+        _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
     if a.engine == "hf" and (a.tp, a.pp, a.ep) != (1, 1, 1):
         problems.append(f"actor.engine='hf' trains with tp=pp=ep=1; got tp={a.tp}, pp={a.pp}, ep={a.ep}")
     if r.engine == "hf" and r.tp != 1:
         problems.append(f"rollout.engine='hf' samples with rollout.tp=1; got rollout.tp={r.tp}")
 
-    # batch sizes (prompts for global/mini batch, rows for micro batch)
+
+def _check_batches(cfg: DictConfig, problems: list[str]) -> None:
+    """Prompts per step split into whole mini-batches; rows per mini-batch into whole micro-batches."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
     if r.n < 2 and cfg.algorithm.adv_estimator == "grpo":
         problems.append(f"rollout.n={r.n}: GRPO compares samples of one prompt and needs rollout.n >= 2")
     _divides(
@@ -425,7 +432,10 @@ def validate(cfg: DictConfig) -> None:
         a.ppo_mini_batch_size * r.n,
     )
 
-    # optimiser and loss
+
+def _check_ranges(cfg: DictConfig, problems: list[str]) -> None:
+    """Optimiser, loss and sampling values in range; data, dock and reward settings usable."""
+    a, r, d = cfg.actor, cfg.rollout, cfg.data
     try:
         check_clip_ratios(a.clip_ratio_low, a.clip_ratio_high)
     except ValueError as exc:
@@ -437,8 +447,6 @@ def validate(cfg: DictConfig) -> None:
         )
     if a.kl_loss_coef < 0:
         problems.append(f"actor.kl_loss_coef={a.kl_loss_coef} must be >= 0 (0 turns the KL loss off)")
-
-    # sampling, data, run
     if r.temperature <= 0:
         problems.append(f"rollout.temperature={r.temperature} must be > 0 (validation decodes greedily)")
     if not 0 < r.top_p <= 1:
@@ -451,8 +459,19 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     if cfg.dock.ray_address and cfg.dock.backend != "ray":
         problems.append(f"dock.ray_address={cfg.dock.ray_address!r} needs dock.backend='ray'")
-    if ":" not in cfg.reward.fn:
-        problems.append(f"reward.fn={cfg.reward.fn!r} must be of the form pkg.module:function")
+    try:
+        load_reward_fn(cfg.reward.fn)  # imports the user's module now, not mid-run
+    except ConfigError as exc:
+        problems.append(str(exc))
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` listing every impossible combination (values and what is allowed)."""
+    problems: list[str] = []
+    _check_scalars(cfg, problems)
+    if not problems:  # the relations below divide by the counts
+        for check in (_check_model, _check_parallel, _check_batches, _check_ranges):
+            check(cfg, problems)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
