@@ -26,28 +26,11 @@ import numpy as np
 import torch
 
 import msrl_core
-from msrl_core.reshard import ModelConfig, to_hf
+from msrl_core.reshard import to_hf
 from msrl_core.trainer import algorithm as A
-from msrl_core.trainer.stages import StageRunner, StageTimes, grpo_stages, make_dock
-
-
-def model_config(cfg: Any) -> ModelConfig:
-    """The reshard ``ModelConfig`` of the ``model.*`` section."""
-    m = cfg.model
-    return ModelConfig(
-        arch=m.arch,
-        hidden_size=int(m.hidden_size),
-        num_layers=int(m.num_layers),
-        num_attention_heads=int(m.num_attention_heads),
-        num_key_value_heads=int(m.num_query_groups),
-        intermediate_size=int(m.ffn_hidden_size),
-        vocab_size=int(m.vocab_size),
-        qkv_bias=bool(m.qkv_bias) or m.arch == "qwen2",
-        tie_word_embeddings=bool(m.tie_word_embeddings),
-        qk_norm=m.arch == "qwen3",
-        make_vocab_size_divisible_by=int(m.get("make_vocab_size_divisible_by", 8)),
-        dtype=str(m.dtype),
-    )
+from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
+from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
+from msrl_core.trainer.stages import StageRunner, grpo_stages, make_dock
 
 
 @dataclass
@@ -104,31 +87,38 @@ def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
 
 
 class GRPOTrainer:
-    """Engines, optimizer, dock and stage table of one run. ``records``: training prompts
-    ``[{"prompt", "answer"}]``; ``reward_fn(prompt, response, answer) -> float``."""
+    """Engines, optimizer, dock and stage table of one run.
+
+    ``records``: the training prompts (``{"prompt", "answer", ...}``); rows carry their position in this
+    list through the dock's ``index`` column. ``reward_fn(prompt, response, answer) -> float`` is called
+    through ``score`` (which names the function and the prompt when it fails). ``sampler_factory(views)``
+    builds the rollout engine over the HF-layout views that ``allgather_swap`` fills.
+    """
 
     def __init__(
         self,
         cfg: Any,
         tokenizer: Any,
-        train_records: list[dict],
+        records: list[dict],
         reward_fn: Any,
+        score: Any,
         train_engine: Any,
         sampler_factory: Any,
-        score: Any,
+        swap: bool = True,
+        dock_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.tok = cfg, tokenizer
-        self.records = train_records
+        self.records = records
         self.reward_fn, self._score = reward_fn, score
         self.engine = train_engine
+        self.swap_enabled = swap
         self.n = int(cfg.rollout.n)
-        self.batch_prompts = int(cfg.data.global_batch_size)
-        self.batch_rows = self.batch_prompts * self.n
+        self.batch_rows = rows_per_step(cfg)
+        self.mini_batch_rows = rows_per_mini_batch(cfg)
         self.temperature = float(cfg.rollout.temperature)
         a = cfg.actor
-        mb_rows = int(a.ppo_mini_batch_size) * self.n
-        self.mini_batch_rows = mb_rows
-        self.on_policy = int(a.ppo_epochs) == 1 and mb_rows == self.batch_rows
+        # exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy
+        self.on_policy = int(a.ppo_epochs) == 1 and self.mini_batch_rows == self.batch_rows
         self.use_reference = float(a.kl_loss_coef) != 0.0
         self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
         self.optimizer = torch.optim.AdamW(
@@ -141,12 +131,15 @@ class GRPOTrainer:
         self.stages = grpo_stages(
             self.batch_rows,
             self.n,
-            int(cfg.rollout.get("claim_groups", 2)),
+            claim_groups=2,
             use_reference=self.use_reference,
             recompute_old=not self.on_policy,
         )
+        opts = dict(dock_options or {})
+        if cfg.dock.backend == "ray" and cfg.dock.ray_address:
+            opts.setdefault("ray_address", cfg.dock.ray_address)
         self.dock = make_dock(
-            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), **self._dock_kw()
+            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
         )
         work = {
             "rollout": self._rollout,
@@ -156,22 +149,12 @@ class GRPOTrainer:
             "old_log_p": self._old_log_p,
             "update": self._update,
         }
-        self.runner = StageRunner(
-            self.dock, self.stages, work, deadline_s=float(cfg.trainer.get("step_timeout_s", 600))
-        )
+        self.runner = StageRunner(self.dock, self.stages, work, deadline_s=STEP_DEADLINE_S)
         self.step_index = 0
-        self._rng = np.random.default_rng(int(cfg.data.seed))
         self._swap: Any = None
         self._gen = torch.Generator()
-
-    def _dock_kw(self) -> dict[str, Any]:
-        d = self.cfg.dock
-        if d.backend == "ray":
-            kw: dict[str, Any] = {"backend": "ray"}
-            if d.get("ray_address"):
-                kw["ray_address"] = d.ray_address
-            return kw
-        return {"backend": "local"}
+        self._upd_metrics: dict[str, float] = {}
+        self._tokens = 0
 
     # ---- stage work ----------------------------------------------------------------------------------
 
@@ -211,7 +194,7 @@ class GRPOTrainer:
 
     def _adv(self, batch: Any) -> dict[str, Any]:
         rows = np.asarray(batch.rows)
-        order = np.argsort(rows, kind="stable")  # group members are consecutive row ids
+        order = np.argsort(rows, kind="stable")  # a group's rows are consecutive row ids
         scores = torch.as_tensor(np.asarray(batch["scores"])[order])
         adv = A.grpo_advantages(scores, self.n, bool(self.cfg.algorithm.norm_adv_by_std)).numpy()
         out = np.empty_like(adv)
@@ -226,12 +209,10 @@ class GRPOTrainer:
         rollout_lp = padded(batch["rollout_log_prob"], R)
         ref_lp = padded(batch["ref_log_prob"], R) if self.use_reference else None
         old_lp = None if self.on_policy else padded(batch["old_log_prob"], R)
-        B = len(adv)
-        order = A.mini_batches(B, self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
+        order = A.mini_batches(len(adv), self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
         micro = int(a.micro_batch_size)
         sums: dict[str, list[float]] = {}
-        diffs: list[torch.Tensor] = []
-        onpolicy_old = torch.zeros_like(rollout_lp)
+        first_old = torch.zeros_like(rollout_lp)
         for mb_i, mb in enumerate(order):
             self.optimizer.zero_grad(set_to_none=True)
             mbt = torch.as_tensor(mb)
@@ -240,10 +221,10 @@ class GRPOTrainer:
             for s in range(0, len(mb), micro):
                 rows = mbt[s : s + micro]
                 lp, ent = response_log_probs(self.engine, pk, rows, self.temperature, entropy=True)
-                if old_lp is None:  # exactly on-policy: this forward is the old policy
+                if old_lp is None:  # exactly on-policy: this forward (before any optimizer step) is the old
                     old = lp.detach()
                     if mb_i == 0:
-                        onpolicy_old[rows] = old
+                        first_old[rows] = old
                 else:
                     old = old_lp[rows]
                 loss, m = A.actor_loss(
@@ -262,90 +243,101 @@ class GRPOTrainer:
                     num_tokens=ntok,
                     num_seqs=nseq,
                 )
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite actor loss {float(loss)} at step {self.step_index}")
                 loss.backward()
                 w = len(rows) / len(mb)
                 for k, v in m.items():  # losses are already scaled to the mini-batch; fractions weighted
                     acc[k] = acc.get(k, 0.0) + (v if k.endswith("_loss") else v * w)
-            gn = self.engine.grad_norm_and_clip(float(a.clip_grad))
-            acc["actor/grad_norm"] = gn
-            if math.isfinite(gn):
+            acc["actor/grad_norm"] = self.engine.grad_norm_and_clip(float(a.clip_grad))
+            if math.isfinite(acc["actor/grad_norm"]):
                 self.optimizer.step()
             for k, v in acc.items():
                 sums.setdefault(k, []).append(v)
-        old_all = onpolicy_old if old_lp is None else old_lp
-        diffs.append(((old_all - rollout_lp).abs() * pk.mask)[pk.mask.bool()])
-        d = torch.cat(diffs)
+        trainer_lp = first_old if old_lp is None else old_lp
+        d = (trainer_lp - rollout_lp).abs()[pk.mask.bool()]
         self._upd_metrics = {k: float(np.mean(v)) for k, v in sums.items()}
         self._upd_metrics["training/rollout_probs_diff_max"] = float(d.max()) if d.numel() else 0.0
         self._upd_metrics["training/rollout_probs_diff_mean"] = float(d.mean()) if d.numel() else 0.0
         self._upd_metrics["response_length/mean"] = float(pk.mask.sum(1).mean())
-        self._upd_metrics["grpo/score/mean"] = float("nan")  # filled by the driver from the dock
         self._tokens = int(pk.mask.sum()) + sum(len(p) for p in batch["prompts"])
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def _switch_to_rollout(self, swap: bool) -> Any:
+        return msrl_core.allgather_swap(
+            self.engine.train_params(),
+            self.flat,
+            self.plan,
+            self.engine.groups,
+            bucket_bytes=int(self.cfg.reshard.bucket_mb) << 20,
+            swap=swap,
+        )
+
+    def _weights_back(self) -> None:
+        if self._swap is not None and self._swap.state != "back":
+            self._swap.swap_back()
+            self._swap.wait()
+
+    def hf_weights(self) -> dict[str, Any]:
+        """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
+        self._switch_to_rollout(swap=False)
+        return self.views
 
     # ---- one step ------------------------------------------------------------------------------------
 
     def _step_seed(self) -> int:
         return int(self.cfg.trainer.seed) * 100_003 + self.step_index
 
-    def next_prompt_indices(self) -> np.ndarray:
-        return self._rng.integers(0, len(self.records), size=self.batch_prompts)
-
-    def step(self, indices: np.ndarray) -> dict[str, float]:
-        """One GRPO iteration over the prompts ``self.records[indices]``; returns its metrics."""
+    def step(self, batch_records: list[dict], val_records: list[dict] | None = None) -> dict[str, float]:
+        """One GRPO iteration over ``batch_records`` (each with ``"_row"``, its index in ``records``).
+        With ``val_records``, also scores them with greedy decoding on the rollout weights of this step
+        (the policy before this step's update) as ``val/score/mean``."""
         t_all = time.perf_counter()
         self._gen.manual_seed(self._step_seed())
-        times = StageTimes()
+        clock = StageClock()
         gate = threading.Event()
-        metrics: dict[str, float] = {"step": float(self.step_index)}
+        metrics: dict[str, float] = {}
         self.dock.reset()
-        # 1. weights -> rollout engine (training copy swapped out)
+        # 1. weights -> rollout engine (the training copy swapped out to pinned host memory)
         t0 = time.perf_counter()
-        self._swap = msrl_core.allgather_swap(
-            self.engine.train_params(),
-            self.flat,
-            self.plan,
-            self.engine.groups,
-            bucket_bytes=int(float(self.cfg.reshard.bucket_mb) * (1 << 20)),
-            swap=bool(self.cfg.reshard.get("swap", True)),
-        )
+        self._swap = self._switch_to_rollout(self.swap_enabled)
         metrics["timing/resharding_to_infer"] = time.perf_counter() - t0
         tele = dict(self._swap.telemetry)
-        swap_back_s = [0.0]
+        back_s = [0.0]
 
         def weights_back() -> None:
             t = time.perf_counter()
-            if self._swap.state != "back":
-                self._swap.swap_back()
-                self._swap.wait()
-            swap_back_s[0] = time.perf_counter() - t
+            self._weights_back()
+            back_s[0] = time.perf_counter() - t
             gate.set()
 
         self.runner.on_done["rollout"] = weights_back
-        # 2. prompts in: one group of n rows per prompt
-        prompts = [np.asarray(self.tok.encode(self.records[i]["prompt"]), np.int64) for i in indices]
-        self.dock.put(
-            {
-                "prompts": [p for p in prompts for _ in range(self.n)],
-                "index": np.repeat(np.asarray(indices, np.int64), self.n),
-            }
-        )
         try:
-            self.runner.run(times, {"train_weights": gate})
+            if val_records:
+                t = time.perf_counter()
+                metrics["val/score/mean"] = self.validate(val_records)
+                metrics["timing/val"] = time.perf_counter() - t
+            # 2. prompts in: one group of n rows per prompt
+            prompts = [np.asarray(self.tok.encode(r["prompt"]), np.int64) for r in batch_records]
+            self.dock.put(
+                {
+                    "prompts": [p for p in prompts for _ in range(self.n)],
+                    "index": np.repeat(np.asarray([r["_row"] for r in batch_records], np.int64), self.n),
+                }
+            )
+            # 3. the stage table: rollout -> (reference, rule_reward, adv) streaming; old_log_p, update gated
+            self.runner.run(clock, {"train_weights": gate})
         finally:
-            if self._swap.state != "back":  # a failure before the rollout finished: weights back anyway
-                self._swap.swap_back()
-                self._swap.wait()
+            self._weights_back()  # on a failure before the rollout finished, the weights come back anyway
         progress = self.dock.progress()
         scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
         total = time.perf_counter() - t_all
         metrics.update(self._upd_metrics)
         metrics["grpo/score/mean"] = float(np.mean(scores))
-        metrics["timing/resharding_to_train"] = swap_back_s[0]
-        metrics["timing/all"] = total
-        for s in self.stages:
-            metrics[f"timing/{s.name}"] = times.busy(s.name)
-        metrics.update(_non_overlap(times, total))
-        metrics["e2e_tps"] = self._tokens / max(total, 1e-9) / self.world_size()
+        metrics["timing/resharding_to_train"] = back_s[0]
+        metrics.update(overlap_timings(clock.intervals(), total))
+        metrics["e2e_tps"] = e2e_tps(self._tokens, total, self.world_size())
         for k, v in tele.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 metrics[f"reshard/{k}"] = float(v)
@@ -353,27 +345,44 @@ class GRPOTrainer:
         self.step_index += 1
         return metrics
 
+    @torch.no_grad()
+    def validate(self, records: list[dict]) -> float:
+        """Mean reward of greedy responses to ``records`` on the rollout weights (call while they are
+        filled: inside a step, or after :meth:`hf_weights`)."""
+        total = 0.0
+        r = self.cfg.rollout
+        for s in range(0, len(records), 64):
+            chunk = records[s : s + 64]
+            prompts = [torch.as_tensor(self.tok.encode(x["prompt"])) for x in chunk]
+            toks, _ = self.sampler.generate(
+                prompts,
+                int(r.max_response_length),
+                self.tok.eos_id,
+                self.tok.pad_id,
+                1.0,
+                1.0,
+                None,
+                greedy=True,
+            )
+            for x, t in zip(chunk, toks):
+                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t), x["answer"])
+        return total / max(1, len(records))
+
     def world_size(self) -> int:
         p = self.engine.parallel
-        return p.tp * p.pp
+        return p.tp * p.pp * p.ep
+
+    # ---- checkpoint state ------------------------------------------------------------------------------
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
 
 
-def _non_overlap(times: StageTimes, total: float) -> dict[str, float]:
-    """Per stage, the busy time during which no other stage was busy."""
-    out = {}
-    for name, ivs in times.intervals.items():
-        others = [iv for n, ivs2 in times.intervals.items() if n != name for iv in ivs2]
-        alone = 0.0
-        for a, b in ivs:
-            cuts = sorted((max(a, x), min(b, y)) for x, y in others if min(b, y) > max(a, x))
-            covered, cur = 0.0, a
-            for x, y in cuts:
-                if y > cur:
-                    covered += y - max(x, cur)
-                    cur = y
-            alone += (b - a) - covered
-        out[f"timing/non_overlap_{name}"] = alone
-    return out
+#: A step that does not finish in this time fails with a message naming the stuck stage (no hang).
+STEP_DEADLINE_S = 900.0
 
 
 def _dock_metrics(stats: dict[str, Any], progress: dict[str, dict[str, int]]) -> dict[str, float]:

@@ -15,11 +15,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from msrl_core import Column, Dock
 from msrl_core.errors import Timeout
+from msrl_core.trainer.metrics import StageClock
 
 
 class StageError(RuntimeError):
@@ -89,19 +90,6 @@ def make_dock(stages: list[StageSpec], batch_rows: int, group_size: int, warehou
     )
 
 
-@dataclass
-class StageTimes:
-    """Busy intervals (perf_counter seconds) per stage of one iteration."""
-
-    intervals: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-
-    def add(self, stage: str, t0: float, t1: float) -> None:
-        self.intervals.setdefault(stage, []).append((t0, t1))
-
-    def busy(self, stage: str) -> float:
-        return sum(b - a for a, b in self.intervals.get(stage, []))
-
-
 Work = Callable[[Any], "Mapping[str, Any] | None"]
 
 
@@ -118,17 +106,16 @@ class StageRunner:
         self.events: dict[str, threading.Event] = {}
         self.on_done: dict[str, Callable[[], None]] = {}
 
-    def run(self, times: StageTimes, gates: Mapping[str, threading.Event]) -> None:
+    def run(self, clock: StageClock, gates: Mapping[str, threading.Event]) -> None:
         """Start every stage, wait for all; the first failure stops the others and is raised as
         :class:`StageError`."""
         stop = threading.Event()
         errors: list[StageError] = []
         deadline = time.monotonic() + self.deadline_s
-        lock = threading.Lock()
 
         def worker(spec: StageSpec) -> None:
             try:
-                self._work_loop(spec, times, gates, stop, deadline, lock)
+                self._work_loop(spec, clock, gates, stop, deadline)
                 hook = self.on_done.get(spec.name)
                 if hook is not None:
                     hook()
@@ -154,11 +141,10 @@ class StageRunner:
     def _work_loop(
         self,
         spec: StageSpec,
-        times: StageTimes,
+        clock: StageClock,
         gates: Mapping[str, threading.Event],
         stop: threading.Event,
         deadline: float,
-        lock: threading.Lock,
     ) -> None:
         if spec.gate is not None:
             ev = gates[spec.gate]
@@ -181,8 +167,7 @@ class StageRunner:
                 self.dock.put(dict(out), rows=meta)
             else:
                 self.dock.complete(meta)
-            with lock:
-                times.add(spec.name, t0, time.perf_counter())
+            clock.add(spec.name, t0, time.perf_counter())
             done += len(meta)
 
     def _check(self, spec: StageSpec, stop: threading.Event, deadline: float) -> None:
