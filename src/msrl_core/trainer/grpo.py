@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import msrl_core
 from msrl_core.reshard import to_hf
 from msrl_core.trainer import algorithm as A
 from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
@@ -121,9 +120,7 @@ class GRPOTrainer:
         self.on_policy = int(a.ppo_epochs) == 1 and self.mini_batch_rows == self.batch_rows
         self.use_reference = float(a.kl_loss_coef) != 0.0
         self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
-        self.optimizer = torch.optim.AdamW(
-            self.engine.parameters(), lr=float(a.lr), weight_decay=float(a.weight_decay), betas=(0.9, 0.999)
-        )
+        self.engine.init_optimizer(float(a.lr), float(a.weight_decay))
         # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
         self.plan = to_hf(self.engine.model_config, self.engine.parallel)
         self.flat, self.views = self.plan.allocate_inference()
@@ -214,7 +211,7 @@ class GRPOTrainer:
         sums: dict[str, list[float]] = {}
         first_old = torch.zeros_like(rollout_lp)
         for mb_i, mb in enumerate(order):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.engine.zero_grad()
             mbt = torch.as_tensor(mb)
             ntok, nseq = float(pk.mask[mbt].sum()), float(len(mb))
             acc: dict[str, float] = {}
@@ -249,9 +246,7 @@ class GRPOTrainer:
                 w = len(rows) / len(mb)
                 for k, v in m.items():  # losses are already scaled to the mini-batch; fractions weighted
                     acc[k] = acc.get(k, 0.0) + (v if k.endswith("_loss") else v * w)
-            acc["actor/grad_norm"] = self.engine.grad_norm_and_clip(float(a.clip_grad))
-            if math.isfinite(acc["actor/grad_norm"]):
-                self.optimizer.step()
+            acc["actor/grad_norm"] = self.engine.clip_and_step(float(a.clip_grad))
             for k, v in acc.items():
                 sums.setdefault(k, []).append(v)
         trainer_lp = first_old if old_lp is None else old_lp
@@ -265,19 +260,10 @@ class GRPOTrainer:
     # ---- weights ------------------------------------------------------------------------------------
 
     def _switch_to_rollout(self, swap: bool) -> Any:
-        return msrl_core.allgather_swap(
-            self.engine.train_params(),
-            self.flat,
-            self.plan,
-            self.engine.groups,
-            bucket_bytes=int(self.cfg.reshard.bucket_mb) << 20,
-            swap=swap,
-        )
+        return self.engine.switch(self.flat, self.plan, int(self.cfg.reshard.bucket_mb) << 20, swap)
 
     def _weights_back(self) -> None:
-        if self._swap is not None and self._swap.state != "back":
-            self._swap.swap_back()
-            self._swap.wait()
+        self.engine.switch_back()
 
     def hf_weights(self) -> dict[str, Any]:
         """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
@@ -332,7 +318,7 @@ class GRPOTrainer:
             self._weights_back()  # on a failure before the rollout finished, the weights come back anyway
         progress = self.dock.progress()
         scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
-        total = time.perf_counter() - t_all
+        total = time.perf_counter() - t_all - metrics.get("timing/val", 0.0)  # the step without validation
         metrics.update(self._upd_metrics)
         metrics["grpo/score/mean"] = float(np.mean(scores))
         metrics["timing/resharding_to_train"] = back_s[0]
@@ -375,10 +361,10 @@ class GRPOTrainer:
     # ---- checkpoint state ------------------------------------------------------------------------------
 
     def optimizer_state(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return self.engine.optimizer_state()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        self.engine.load_optimizer_state(state)
 
 
 #: A step that does not finish in this time fails with a message naming the stuck stage (no hang).

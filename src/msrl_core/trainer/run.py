@@ -177,6 +177,8 @@ def train(
     torch.manual_seed(seed)
     np.random.seed(seed % (1 << 32))
     resume_from = ckpt.resolve(run_dir, cfg.trainer.resume)
+    if resume_from is not None and int(cfg.actor.tp) > 1:
+        raise ConfigError("trainer.resume with actor.tp > 1 is not supported by this build; resume with tp=1")
     engine = build_engine(cfg, seed)
     rank = engine.rank if hasattr(engine, "rank") else 0
     if resume_from is None and before_training is not None:
@@ -208,6 +210,7 @@ def train(
         tensors = {f"policy/{k}": v for k, v in engine.state_dict().items()}
         if trainer.ref_engine is not None:
             tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
+        engine.save_followers(step)
         hf = (trainer.hf_weights(), trainer.sampler.model.config) if rank == 0 else None
         state = {"step": step, "loader": loader.state_dict(), "time": time.time()} if rank == 0 else None
         return ckpt.save(run_dir, step, rank, tensors, trainer.optimizer_state(), state, hf)
@@ -256,6 +259,7 @@ def train(
         writer.close()
         if bar is not None:
             bar.close()
+        engine.close()
     rows = read_metrics(run_dir)
     if rows:
         log(summary_table(rows))

@@ -32,7 +32,7 @@ def format_warmup(
     from msrl_core.trainer.grpo import pack
 
     rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(engine.parameters(), lr=lr, weight_decay=0.0)
+    engine.init_optimizer(lr, 0.0)
     losses = []
     for _ in range(steps):
         pi = rng.integers(0, len(prompts), size=batch_size)
@@ -47,8 +47,8 @@ def format_warmup(
         at = torch.gather(logits, 1, pk.pos.unsqueeze(-1).expand(-1, -1, V))
         lp = log_probs_from_logits(at, pk.responses)
         loss = -(lp * pk.mask).sum() / pk.mask.sum()
-        opt.zero_grad(set_to_none=True)
+        engine.zero_grad()
         loss.backward()
-        opt.step()
+        engine.clip_and_step(0.0)
         losses.append(float(loss.detach()))
     return losses

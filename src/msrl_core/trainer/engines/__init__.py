@@ -32,17 +32,39 @@ class TrainEngine(Protocol):
         """This rank's Megatron-layout parameters (module or name -> tensor) for ``allgather_swap``."""
 
     def parameters(self) -> list[Any]:
-        """The trainable leaves (optimizer and grad clipping)."""
+        """The trainable leaves."""
 
-    def grad_norm_and_clip(self, max_norm: float) -> float:
-        """Global grad norm over the model-parallel group; clips in place when ``max_norm > 0``."""
+    def init_optimizer(self, lr: float, weight_decay: float) -> None:
+        """A fresh AdamW on every rank."""
 
-    def frozen_copy(self) -> TrainEngine:
-        """An independent copy of the current weights with autograd off (the reference policy)."""
+    def zero_grad(self) -> None: ...
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """Global grad norm over the model-parallel group; clips to ``max_norm`` (> 0) and steps the
+        optimizer when the norm is finite. Returns the norm before clipping."""
+
+    def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
+        """``allgather_swap`` into the rollout engine's HF-layout buffer; returns the ``Swap``."""
+
+    def switch_back(self) -> None:
+        """``swap_back()`` + ``wait()`` of the last switch (no-op when already back)."""
+
+    def frozen_copy(self) -> Any:
+        """The reference policy: a copy of the current weights with autograd off (``logits`` only)."""
+
+    def optimizer_state(self) -> dict[str, Any]: ...
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_followers(self, step: int) -> None:
+        """Other ranks write their part of the checkpoint of ``step``."""
+
+    def close(self) -> None:
+        """Stop other ranks, if any."""
 
 
 def select_device(requested: str = "auto") -> str:

@@ -10,11 +10,13 @@ into it outside the switch.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
 import torch
 
+import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, to_hf
 from msrl_core.reshard.reference import megatron_to_hf
 
@@ -107,6 +109,9 @@ class HFTrainEngine:
         self.params = params if params is not None else init_megatron_params(cfg, seed)
         for p in self.params.values():
             p.requires_grad_(trainable)
+        self.rank = 0
+        self.optimizer: Any = None
+        self._swap: Any = None
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         hf = megatron_to_hf(self.model_config, self.parallel, {(0, 0, 0): self.params})
@@ -120,11 +125,43 @@ class HFTrainEngine:
     def parameters(self) -> list[torch.Tensor]:
         return list(self.params.values())
 
-    def grad_norm_and_clip(self, max_norm: float) -> float:
+    def init_optimizer(self, lr: float, weight_decay: float) -> None:
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """Global grad norm; clips to ``max_norm`` (> 0) and steps when the norm is finite."""
         ps = [p for p in self.params.values() if p.grad is not None]
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(ps, max_norm))
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in ps])))
+        norm = float(torch.nn.utils.clip_grad_norm_(ps, max_norm if max_norm > 0 else float("inf")))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        return norm
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
+        """``allgather_swap`` of the Megatron-layout leaves into the HF-layout ``flat`` buffer."""
+        self._swap = msrl_core.allgather_swap(
+            self.params, flat, plan, self.groups, bucket_bytes=bucket_bytes, swap=swap
+        )
+        return self._swap
+
+    def switch_back(self) -> None:
+        if self._swap is not None and self._swap.state != "back":
+            self._swap.swap_back()
+            self._swap.wait()
+
+    def save_followers(self, step: int) -> None:
+        """No other ranks (TP 1)."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     def frozen_copy(self) -> HFTrainEngine:
         params = {k: v.detach().clone() for k, v in self.params.items()}
