@@ -135,6 +135,8 @@ class GRPOTrainer:
         opts = dict(dock_options or {})
         if cfg.dock.backend == "ray" and cfg.dock.ray_address:
             opts.setdefault("ray_address", cfg.dock.ray_address)
+        elif cfg.dock.backend == "ray":  # no Ray running: a small loopback one (the dock starts it)
+            opts.setdefault("ray_init", LOOPBACK_RAY)
         self.dock = make_dock(
             self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
         )
@@ -366,6 +368,14 @@ class GRPOTrainer:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         self.engine.load_optimizer_state(state)
 
+
+#: ``ray.init`` arguments of the loopback Ray started when ``dock.backend=ray`` and no address is given.
+LOOPBACK_RAY = {
+    "include_dashboard": False,
+    "_node_ip_address": "127.0.0.1",
+    "object_store_memory": 256 << 20,
+    "log_to_driver": False,
+}
 
 #: A step that does not finish in this time fails with a message naming the stuck stage (no hang).
 STEP_DEADLINE_S = 900.0

@@ -221,6 +221,9 @@ def train(
     last_ckpt: Path | None = resume_from
     interrupted = False
     done = start
+    if start == 0 and (run_dir / "metrics.jsonl").exists():
+        log(f"fresh run in {run_dir}: the previous metrics.jsonl is replaced")
+        (run_dir / "metrics.jsonl").unlink()
     writer = MetricsWriter(
         run_dir, tensorboard=bool(cfg.trainer.tensorboard), resume_step=start if start else None
     )

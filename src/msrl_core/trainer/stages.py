@@ -165,8 +165,6 @@ class StageRunner:
             if spec.writes:
                 assert out is not None, f"stage {spec.name} must write {spec.writes}"
                 self.dock.put(dict(out), rows=meta)
-            else:
-                self.dock.complete(meta)
             clock.add(spec.name, t0, time.perf_counter())
             done += len(meta)
 
