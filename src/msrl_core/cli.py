@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     _run_args(tr)
     rep = sub.add_parser("report", help="summary table and plots of a run directory")
     rep.add_argument("run_dir")
-    args = parser.parse_args(argv)
+    # overrides may come before and after the flags: collect the leftovers that look like key=value
+    args, extra = parser.parse_known_args(argv)
+    bad = [x for x in extra if x.startswith("-") or "=" not in x or args.command not in ("demo", "train")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     if args.command == "info":
         print(json.dumps({"msrl_core": __version__, **runtime_info()}, indent=2))
         return 0
@@ -77,6 +83,10 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except (MsrlError, FileNotFoundError, FloatingPointError) as e:
         print(f"msrl {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # e.g. a lost TP rank: the collective fails after the process-group timeout
+        print(f"msrl {args.command}: failed: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr)
+        print("metrics of the finished steps are kept in the run directory", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"msrl {args.command}: interrupted", file=sys.stderr)
