@@ -21,12 +21,12 @@ from msrl_core.trainer.task import arithmetic_records, constant_answer_score, wr
 
 @dataclass
 class DemoSettings:
-    records: int = 2000  # generated "a+b=" records (train + held-out)
+    records: int = 1000  # generated "a+b=" records (train + held-out)
     max_a: int = 2  # a in [0, max_a]
     max_b: int = 5  # b in [0, max_b]
-    warmup_steps: int = 40  # supervised steps on the format only (random answers)
-    warmup_lr: float = 3e-3
-    warmup_batch: int = 64
+    warmup_steps: int = 60  # supervised steps on the format only (random answers)
+    warmup_lr: float = 1e-3
+    warmup_batch: int = 128
 
 
 def demo_config_path() -> Path:
