@@ -82,6 +82,6 @@ def select_device(requested: str = "auto") -> str:
     if importlib.util.find_spec("torch_npu") is not None:
         import torch_npu  # noqa: F401
 
-        if torch.npu.is_available():
+        if torch.npu.is_available():  # type: ignore[attr-defined]  # registered by torch_npu
             return "npu"
     return "cpu"

@@ -25,7 +25,9 @@ def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int) 
     """A randomly initialised transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3)."""
     import transformers as tf
 
-    common = dict(
+    c: Any
+    cls: Any
+    common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

@@ -463,6 +463,6 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int) -
 
     from msrl_core.trainer.config import model_config
 
-    cfg = OmegaConf.create(cfg_yaml)
+    cfg: Any = OmegaConf.create(cfg_yaml)
     engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port)
     engine.serve()

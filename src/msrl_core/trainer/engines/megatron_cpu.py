@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from typing import Any
 
 _ACTIVE = False
 
@@ -39,7 +40,8 @@ def accelerator_present() -> bool:
     if importlib.util.find_spec("torch_npu") is not None:
         import torch_npu  # noqa: F401  (registers torch.npu)
 
-        return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+        npu: Any = getattr(torch, "npu", None)
+        return bool(npu is not None and npu.is_available())
     return False
 
 
@@ -57,7 +59,7 @@ def activate() -> bool:
         return False
     import torch
 
-    c = torch.cuda
+    c: Any = torch.cuda
     c.current_device = lambda: "cpu"
     c.is_available = lambda: False
     c.current_stream = lambda *a, **k: _CpuStream()
@@ -66,7 +68,7 @@ def activate() -> bool:
     c.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     c.manual_seed = lambda seed: torch.manual_seed(seed)
     c.device_count = lambda: 0
-    torch.Tensor.cuda = lambda self, *a, **k: self  # tied-embedding setup moves weights with .cuda()
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  # tied embeddings: .cuda()
     c.nvtx = type(
         "nvtx",
         (),
