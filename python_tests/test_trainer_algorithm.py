@@ -31,8 +31,8 @@ def t(x, dtype=torch.float64):
 
 
 def test_advantages_two_groups_hand_computed():
-    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/sqrt(0.5) = +-0.70711
-    # group [1, 2, 3] would not fit group_size 2, so use [3, 1]: mean 2, std sqrt(2) -> +-1/sqrt(2)
+    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/sqrt(0.5) = +-1/sqrt(2)
+    # group [3, 1]: mean 2, unbiased std sqrt(2) -> +-1/sqrt(2)
     adv = grpo_advantages(t([1.0, 0.0, 3.0, 1.0]), group_size=2, eps=0.0)
     s = 1 / math.sqrt(2)
     torch.testing.assert_close(adv, t([s, -s, s, -s], torch.float32))
@@ -246,6 +246,17 @@ def test_log_probs_match_log_softmax_gather():
     )
     with pytest.raises(ValueError, match="vocabulary dim"):
         log_probs_from_logits(logits, tokens[:, :3])
+
+
+def test_temperature_scales_logits():
+    # logits (0, 2 ln 3) at temperature 2 are (0, ln 3): p = (1/4, 3/4)
+    logits = t([[0.0, 2 * math.log(3.0)]])
+    lp = log_probs_from_logits(logits, torch.tensor([1]), temperature=2.0)
+    assert lp.item() == pytest.approx(math.log(0.75))
+    ent = entropy_from_logits(logits, temperature=2.0)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        entropy_from_logits(logits, temperature=0.0)
 
 
 # --- actor_loss ----------------------------------------------------------------------------------

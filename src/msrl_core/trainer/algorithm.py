@@ -194,27 +194,32 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     return (torch.exp(neg) - neg - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-def _stable(logits: Tensor) -> Tensor:
-    """Half-precision logits are reduced in float32: a bf16 logsumexp over a large vocabulary loses bits."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+def _stable(logits: Tensor, temperature: float) -> Tensor:
+    """Half-precision logits are reduced in float32 (a bf16 logsumexp over a large vocabulary loses bits);
+    logits are divided by the sampling temperature, so the figures describe the distribution sampled."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return z if temperature == 1.0 else z / temperature
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical distribution over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
-    z = _stable(logits)
+def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of the categorical distribution over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``
+    with ``z = logits / temperature``."""
+    z = _stable(logits, temperature)
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
-def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Log-probability of each ``tokens`` entry under ``logits`` [..., V]: ``z[token] - logsumexp(z)``.
-
-    Gathers before normalising, so no [..., V] log-softmax is materialised; exact for very large logits.
+def log_probs_from_logits(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each ``tokens`` entry under ``logits / temperature`` [..., V]:
+    ``z[token] - logsumexp(z)``. Pass the rollout's temperature so the trainer's recompute matches the
+    sampler's log-probs. Gathers before normalising, so no [..., V] log-softmax is materialised.
     """
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocabulary dim"
         )
-    z = _stable(logits)
+    z = _stable(logits, temperature)
     picked = torch.gather(z, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
 

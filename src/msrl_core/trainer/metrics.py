@@ -69,9 +69,9 @@ def _rewrite(path: Path, resume_step: int | None) -> None:
     text = path.read_text(encoding="utf-8")
     if text.endswith("\n") and resume_step is None:
         return
-    keep = [line for line in text.splitlines(keepends=True) if line.endswith("\n")]
+    keep = [line for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip()]
     if resume_step is not None:
-        keep = [line for line in keep if not line.strip() or json.loads(line).get("step", 0) <= resume_step]
+        keep = [line for line, row in zip(keep, read_metrics(path)) if row.get("step", 0) <= resume_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
