@@ -293,6 +293,50 @@ def test_actor_loss_combines_terms():
     assert all(isinstance(v, float) for v in m.values())
 
 
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_actor_loss_micro_batch_shares_sum_to_the_mini_batch(mode):
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 5
+    lp = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3  # some tokens clip
+    ref = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T)
+    mask[1, 2:] = 0
+    mask[4, :] = 0  # an empty response
+    kw = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        kl_loss_coef=0.1,
+        kl_loss_type="k3",
+        entropy_coeff=0.01,
+        loss_agg_mode=mode,
+    )
+    whole_loss, whole = actor_loss(lp, old, ref, adv, mask, ent, **kw)
+    assert 0 < whole["actor/pg_clipfrac"] < 1
+    ntok, nseq = float(mask.sum()), float((mask.sum(1) > 0).sum())
+    total_loss, summed = 0.0, dict.fromkeys(whole, 0.0)
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        loss, m = actor_loss(
+            lp[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            ent[rows],
+            num_tokens=ntok,
+            num_seqs=nseq,
+            **kw,
+        )
+        total_loss += loss.item()
+        for k, v in m.items():
+            summed[k] += v
+    assert total_loss == pytest.approx(whole_loss.item())
+    for k, v in whole.items():
+        assert summed[k] == pytest.approx(v), k
+
+
 def test_actor_loss_without_reference_or_entropy():
     lp = torch.zeros(1, 2)
     kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="k1", loss_agg_mode="token-mean")

@@ -148,7 +148,9 @@ def policy_loss(
     Per token: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))`` with ``r = exp(log_prob - old_log_prob)``,
     aggregated by ``loss_agg_mode``. Returns the loss and detached stats ``pg_clipfrac`` (share of tokens
     where the clipped term was chosen) and ``ppo_kl`` (masked mean of ``old_log_prob - log_prob``).
-    ``num_tokens``/``num_seqs`` pass through to :func:`agg_loss`.
+    ``num_tokens``/``num_seqs`` pass through to :func:`agg_loss` (the stats, token fractions, use
+    ``num_tokens``), so over the micro-batches of a mini-batch the loss and the stats each sum to the
+    mini-batch's value.
     """
     check_clip_ratios(clip_ratio_low, clip_ratio_high)
     _check_masked(log_prob, mask)
@@ -165,8 +167,10 @@ def policy_loss(
     loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         stats = {
-            "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(log_prob.dtype), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac": agg_loss(
+                torch.gt(clipped, unclipped).to(log_prob.dtype), mask, "token-mean", num_tokens=num_tokens
+            ),
+            "ppo_kl": agg_loss(-log_ratio, mask, "token-mean", num_tokens=num_tokens),
         }
     return loss, stats
 
@@ -246,6 +250,10 @@ def actor_loss(
     All three terms use ``loss_agg_mode``. Metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``,
     ``actor/ppo_kl``, plus ``actor/kl_loss`` when ``ref_log_prob`` is given and ``actor/entropy`` when
     ``entropy`` is given (a figure that was not computed is left out, never reported as 0).
+
+    Gradient accumulation: pass the whole mini-batch's ``num_tokens`` and ``num_seqs`` to every
+    micro-batch's call; then the losses *and every metric* are that micro-batch's share, and summing
+    them over the micro-batches gives exactly the mini-batch's values (no further weighting).
     """
     if kl_loss_coef != 0.0 and ref_log_prob is None:
         raise ValueError(f"kl_loss_coef={kl_loss_coef} needs ref_log_prob (the reference policy's log-probs)")
