@@ -337,6 +337,20 @@ def test_actor_loss_micro_batch_shares_sum_to_the_mini_batch(mode):
         assert summed[k] == pytest.approx(v), k
 
 
+def test_actor_loss_zero_coefficient_terms_are_metrics_only():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    ent = torch.sqrt(lp * 0.0) + 1.5  # depends on lp with a NaN gradient: 0 * NaN would poison lp.grad
+    kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="k1", loss_agg_mode="token-mean")
+    ref = torch.full((1, 2), -1.0)
+    loss, m = actor_loss(
+        lp, lp.detach(), ref, torch.ones(1), torch.ones(1, 2), ent, kl_loss_coef=0.0, entropy_coeff=0.0, **kw
+    )
+    assert m["actor/kl_loss"] == 1.0 and m["actor/entropy"] == 1.5
+    loss.backward()
+    # only the policy term: d/dlp mean(-A * exp(lp - old)) = -1/2 per token
+    assert lp.grad.tolist() == [[-0.5, -0.5]]
+
+
 def test_actor_loss_without_reference_or_entropy():
     lp = torch.zeros(1, 2)
     kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="k1", loss_agg_mode="token-mean")

@@ -280,13 +280,14 @@ def actor_loss(
         "actor/pg_clipfrac": float(stats["pg_clipfrac"]),
         "actor/ppo_kl": float(stats["ppo_kl"]),
     }
+    # A term with coefficient 0 is reported but kept out of the graph (no backward through it).
     if ref_log_prob is not None:
-        kl = agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type))
-        loss = loss + kl_loss_coef * kl
+        kl = agg(kl_penalty(log_prob if kl_loss_coef else log_prob.detach(), ref_log_prob, kl_loss_type))
+        loss = loss + kl_loss_coef * kl if kl_loss_coef else loss
         metrics["actor/kl_loss"] = float(kl.detach())
     if entropy is not None:
-        ent = agg(entropy)
-        loss = loss - entropy_coeff * ent
+        ent = agg(entropy if entropy_coeff else entropy.detach())
+        loss = loss - entropy_coeff * ent if entropy_coeff else loss
         metrics["actor/entropy"] = float(ent.detach())
     return loss, metrics
 
