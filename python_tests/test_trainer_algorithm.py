@@ -31,8 +31,8 @@ def t(x, dtype=torch.float64):
 
 
 def test_advantages_two_groups_hand_computed():
-    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/sqrt(0.5) = +-0.70711
-    # group [1, 2, 3] would not fit group_size 2, so use [3, 1]: mean 2, std sqrt(2) -> +-1/sqrt(2)
+    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5/sqrt(0.5) = +-1/sqrt(2)
+    # group [3, 1]: mean 2, unbiased std sqrt(2) -> +-1/sqrt(2)
     adv = grpo_advantages(t([1.0, 0.0, 3.0, 1.0]), group_size=2, eps=0.0)
     s = 1 / math.sqrt(2)
     torch.testing.assert_close(adv, t([s, -s, s, -s], torch.float32))
@@ -248,6 +248,17 @@ def test_log_probs_match_log_softmax_gather():
         log_probs_from_logits(logits, tokens[:, :3])
 
 
+def test_temperature_scales_logits():
+    # logits (0, 2 ln 3) at temperature 2 are (0, ln 3): p = (1/4, 3/4)
+    logits = t([[0.0, 2 * math.log(3.0)]])
+    lp = log_probs_from_logits(logits, torch.tensor([1]), temperature=2.0)
+    assert lp.item() == pytest.approx(math.log(0.75))
+    ent = entropy_from_logits(logits, temperature=2.0)
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        entropy_from_logits(logits, temperature=0.0)
+
+
 # --- actor_loss ----------------------------------------------------------------------------------
 
 
@@ -280,6 +291,64 @@ def test_actor_loss_combines_terms():
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/ppo_kl"] == 0.0
     assert loss.item() == pytest.approx(pg + 0.5 * kl - 0.1 * entropy)
     assert all(isinstance(v, float) for v in m.values())
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_actor_loss_micro_batch_shares_sum_to_the_mini_batch(mode):
+    g = torch.Generator().manual_seed(1)
+    B, T = 6, 5
+    lp = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1
+    old = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3  # some tokens clip
+    ref = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1
+    ent = torch.rand(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T)
+    mask[1, 2:] = 0
+    mask[4, :] = 0  # an empty response
+    kw = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        kl_loss_coef=0.1,
+        kl_loss_type="k3",
+        entropy_coeff=0.01,
+        loss_agg_mode=mode,
+    )
+    whole_loss, whole = actor_loss(lp, old, ref, adv, mask, ent, **kw)
+    assert 0 < whole["actor/pg_clipfrac"] < 1
+    ntok, nseq = float(mask.sum()), float((mask.sum(1) > 0).sum())
+    total_loss, summed = 0.0, dict.fromkeys(whole, 0.0)
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        loss, m = actor_loss(
+            lp[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            ent[rows],
+            num_tokens=ntok,
+            num_seqs=nseq,
+            **kw,
+        )
+        total_loss += loss.item()
+        for k, v in m.items():
+            summed[k] += v
+    assert total_loss == pytest.approx(whole_loss.item())
+    for k, v in whole.items():
+        assert summed[k] == pytest.approx(v), k
+
+
+def test_actor_loss_zero_coefficient_terms_are_metrics_only():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    ent = torch.sqrt(lp * 0.0) + 1.5  # depends on lp with a NaN gradient: 0 * NaN would poison lp.grad
+    kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, kl_loss_type="k1", loss_agg_mode="token-mean")
+    ref = torch.full((1, 2), -1.0)
+    loss, m = actor_loss(
+        lp, lp.detach(), ref, torch.ones(1), torch.ones(1, 2), ent, kl_loss_coef=0.0, entropy_coeff=0.0, **kw
+    )
+    assert m["actor/kl_loss"] == 1.0 and m["actor/entropy"] == 1.5
+    loss.backward()
+    # only the policy term: d/dlp mean(-A * exp(lp - old)) = -1/2 per token
+    assert lp.grad.tolist() == [[-0.5, -0.5]]
 
 
 def test_actor_loss_without_reference_or_entropy():

@@ -131,7 +131,7 @@ def test_unknown_key_in_yaml_names_file(tmp_path):
         ("actor.lr=fast", "actor.lr='fast'.*expected float"),
         ("trainer.tensorboard=maybe", "trainer.tensorboard='maybe'.*expected bool"),
         ("rollout.n=2.5", "rollout.n=2.5.*expected int"),
-        ("data.train_files=", "data.train_files=None.*expected str"),
+        ("trainer.resume=3", r"trainer.resume=3.*expected bool or str or null"),
         ("model.path=null", None),
         ("actor=3", "'actor' is a section .*engine, tp"),
     ],
@@ -196,7 +196,7 @@ def test_config_error_types_and_bad_files(tmp_path):
         (["data.val_fraction=1.0"], r"data.val_fraction=1.0 must be in \[0, 1\)"),
         (["dock.ray_address=auto"], r"dock.ray_address='auto' needs dock.backend='ray'"),
         (["reward.fn=mymodule.f"], r"reward.fn='mymodule.f' must be of the form pkg.module:function"),
-        (["data.train_files=''"], r"data.train_files is empty"),
+        (["data.train_files=null"], r"data.train_files is not set"),
         (["actor.tp=0"], r"actor.tp=0 must be >= 1"),
         (["data.global_batch_size=0"], r"data.global_batch_size=0 must be >= 1"),
         (["model.num_experts=4"], r"MoE archs .* need both > 0"),
@@ -222,12 +222,23 @@ def test_valid_parallel_and_moe_configs_pass():
     )
 
 
+def test_resume_takes_bool_auto_or_path(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  resume: false\ndata:\n  train_files: null\n")  # as the demo config has it
+    cfg = load_config(path, [])
+    assert cfg.trainer.resume is False and cfg.data.train_files is None
+    assert load_config(path, ["trainer.resume=true"]).trainer.resume is True
+    assert load_config(path, ["trainer.resume=runs/x/step_5"]).trainer.resume == "runs/x/step_5"
+
+
 def test_batch_helpers_and_model_config():
     cfg = valid("data.global_batch_size=6", "rollout.n=5", "actor.ppo_mini_batch_size=3")
     assert rows_per_step(cfg) == 30 and rows_per_mini_batch(cfg) == 15
     mc = model_config(valid("model.num_query_groups=1", "model.tie_word_embeddings=true"))
     assert (mc.arch, mc.num_key_value_heads, mc.intermediate_size, mc.head_dim) == ("qwen2", 1, 128, 16)
-    assert mc.tie_word_embeddings and mc.qkv_bias
+    assert mc.tie_word_embeddings and mc.qkv_bias and not mc.qk_norm
+    assert mc.make_vocab_size_divisible_by == 8
+    assert model_config(valid("model.arch=qwen3")).qk_norm
 
 
 def test_save_config_round_trips(tmp_path):

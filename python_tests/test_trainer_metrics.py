@@ -54,9 +54,12 @@ def test_resume_drops_later_steps(tmp_path):
     with MetricsWriter(tmp_path) as w:
         for s in range(1, 6):
             w.write(s, {"a": s})
-    with MetricsWriter(tmp_path, resume_step=3) as w:
+    with MetricsWriter(tmp_path, resume_step=4) as w:  # the checkpoint after 3 steps: step 4 comes next
         w.write(4, {"a": 40})
     assert [(r["step"], r["a"]) for r in read_metrics(tmp_path)] == [(1, 1), (2, 2), (3, 3), (4, 40)]
+    with MetricsWriter(tmp_path, resume_step=0) as w:  # a fresh run into the same directory
+        w.write(0, {"a": 0})
+    assert read_metrics(tmp_path) == [{"step": 0, "a": 0}]
 
 
 def test_tensorboard_is_optional(tmp_path):

@@ -148,7 +148,9 @@ def policy_loss(
     Per token: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))`` with ``r = exp(log_prob - old_log_prob)``,
     aggregated by ``loss_agg_mode``. Returns the loss and detached stats ``pg_clipfrac`` (share of tokens
     where the clipped term was chosen) and ``ppo_kl`` (masked mean of ``old_log_prob - log_prob``).
-    ``num_tokens``/``num_seqs`` pass through to :func:`agg_loss`.
+    ``num_tokens``/``num_seqs`` pass through to :func:`agg_loss` (the stats, token fractions, use
+    ``num_tokens``), so over the micro-batches of a mini-batch the loss and the stats each sum to the
+    mini-batch's value.
     """
     check_clip_ratios(clip_ratio_low, clip_ratio_high)
     _check_masked(log_prob, mask)
@@ -165,8 +167,10 @@ def policy_loss(
     loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         stats = {
-            "pg_clipfrac": masked_mean(torch.gt(clipped, unclipped).to(log_prob.dtype), mask),
-            "ppo_kl": masked_mean(-log_ratio, mask),
+            "pg_clipfrac": agg_loss(
+                torch.gt(clipped, unclipped).to(log_prob.dtype), mask, "token-mean", num_tokens=num_tokens
+            ),
+            "ppo_kl": agg_loss(-log_ratio, mask, "token-mean", num_tokens=num_tokens),
         }
     return loss, stats
 
@@ -194,27 +198,32 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     return (torch.exp(neg) - neg - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-def _stable(logits: Tensor) -> Tensor:
-    """Half-precision logits are reduced in float32: a bf16 logsumexp over a large vocabulary loses bits."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+def _stable(logits: Tensor, temperature: float) -> Tensor:
+    """Half-precision logits are reduced in float32 (a bf16 logsumexp over a large vocabulary loses bits);
+    logits are divided by the sampling temperature, so the figures describe the distribution sampled."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return z if temperature == 1.0 else z / temperature
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical distribution over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
-    z = _stable(logits)
+def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Entropy of the categorical distribution over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``
+    with ``z = logits / temperature``."""
+    z = _stable(logits, temperature)
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 
 
-def log_probs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Log-probability of each ``tokens`` entry under ``logits`` [..., V]: ``z[token] - logsumexp(z)``.
-
-    Gathers before normalising, so no [..., V] log-softmax is materialised; exact for very large logits.
+def log_probs_from_logits(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """Log-probability of each ``tokens`` entry under ``logits / temperature`` [..., V]:
+    ``z[token] - logsumexp(z)``. Pass the rollout's temperature so the trainer's recompute matches the
+    sampler's log-probs. Gathers before normalising, so no [..., V] log-softmax is materialised.
     """
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} plus a vocabulary dim"
         )
-    z = _stable(logits)
+    z = _stable(logits, temperature)
     picked = torch.gather(z, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)
 
@@ -241,6 +250,10 @@ def actor_loss(
     All three terms use ``loss_agg_mode``. Metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``,
     ``actor/ppo_kl``, plus ``actor/kl_loss`` when ``ref_log_prob`` is given and ``actor/entropy`` when
     ``entropy`` is given (a figure that was not computed is left out, never reported as 0).
+
+    Gradient accumulation: pass the whole mini-batch's ``num_tokens`` and ``num_seqs`` to every
+    micro-batch's call; then the losses *and every metric* are that micro-batch's share, and summing
+    them over the micro-batches gives exactly the mini-batch's values (no further weighting).
     """
     if kl_loss_coef != 0.0 and ref_log_prob is None:
         raise ValueError(f"kl_loss_coef={kl_loss_coef} needs ref_log_prob (the reference policy's log-probs)")
@@ -267,13 +280,14 @@ def actor_loss(
         "actor/pg_clipfrac": float(stats["pg_clipfrac"]),
         "actor/ppo_kl": float(stats["ppo_kl"]),
     }
+    # A term with coefficient 0 is reported but kept out of the graph (no backward through it).
     if ref_log_prob is not None:
-        kl = agg(kl_penalty(log_prob, ref_log_prob, kl_loss_type))
-        loss = loss + kl_loss_coef * kl
+        kl = agg(kl_penalty(log_prob if kl_loss_coef else log_prob.detach(), ref_log_prob, kl_loss_type))
+        loss = loss + kl_loss_coef * kl if kl_loss_coef else loss
         metrics["actor/kl_loss"] = float(kl.detach())
     if entropy is not None:
-        ent = agg(entropy)
-        loss = loss - entropy_coeff * ent
+        ent = agg(entropy if entropy_coeff else entropy.detach())
+        loss = loss - entropy_coeff * ent if entropy_coeff else loss
         metrics["actor/entropy"] = float(ent.detach())
     return loss, metrics
 

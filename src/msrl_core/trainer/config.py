@@ -58,6 +58,7 @@ class ModelSection:
     num_experts: int = 0  # 0: dense
     moe_intermediate_size: int = 0
     dtype: str = "float32"
+    make_vocab_size_divisible_by: int = 8  # Megatron pads the embedding to a multiple of this
     path: str | None = None
 
 
@@ -95,6 +96,7 @@ class RolloutSection:
     max_prompt_length: int = 64
     max_response_length: int = 64
     gpu_memory_utilization: float = 0.5  # vLLM only
+    claim_groups: int = 2  # prompt groups a rollout worker claims at once (smaller: earlier overlap)
 
 
 @dataclass
@@ -116,7 +118,7 @@ class RewardSection:
 class DataSection:
     """Prompt files (JSONL or Parquet), their keys, the batch size in prompts and the held-out split."""
 
-    train_files: str = ""
+    train_files: str | None = None  # required (the demo writes its generated task and sets it)
     val_files: str | None = None  # None: hold out val_fraction of train_files
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -139,6 +141,7 @@ class ReshardSection:
     """allgather-swap bucket size in MiB per member."""
 
     bucket_mb: int = 64
+    swap: bool = True  # swap the training weights out to host during rollout (False: keep both copies)
 
 
 @dataclass
@@ -149,10 +152,11 @@ class TrainerSection:
     output_dir: str = "runs/msrl"
     save_every: int = 0  # 0: only the final checkpoint
     val_every: int = 10  # 0: no validation
-    resume: str | None = None  # None: fresh run; "auto": latest checkpoint in output_dir; else a path
+    resume: bool | str | None = False  # false/null: fresh; true/"auto": latest in output_dir; else a dir
     seed: int = 1
     device: str = "auto"
     tensorboard: bool = False
+    step_timeout_s: float = 600.0  # deadline of one step's stages; a stuck worker fails the step
 
 
 @dataclass
@@ -194,8 +198,8 @@ _LEAVES = [k for k, v in _SCHEMA.items() if not dataclasses.is_dataclass(v)]
 
 def _type_name(tp: Any) -> str:
     if get_origin(tp) in (Union, types.UnionType):
-        inner = [a for a in get_args(tp) if a is not type(None)]
-        return f"{_type_name(inner[0])} or null"
+        names = ["null" if a is type(None) else _type_name(a) for a in get_args(tp)]
+        return " or ".join(names)
     return getattr(tp, "__name__", str(tp))
 
 
@@ -311,6 +315,8 @@ def model_config(cfg: DictConfig) -> ModelConfig:
         tie_word_embeddings=m.tie_word_embeddings,
         num_experts=m.num_experts,
         moe_intermediate_size=m.moe_intermediate_size,
+        qk_norm=m.arch == "qwen3",
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         dtype=m.dtype,
     )
 
@@ -338,6 +344,8 @@ _AT_LEAST_ONE = [
     "dock.warehouses",
     "reshard.bucket_mb",
     "trainer.steps",
+    "rollout.claim_groups",
+    "model.make_vocab_size_divisible_by",
 ]
 _AT_LEAST_ZERO = (
     "model.num_experts",
@@ -454,9 +462,11 @@ def _check_ranges(cfg: DictConfig, problems: list[str]) -> None:
     if not 0 < r.gpu_memory_utilization <= 1:
         problems.append(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} must be in (0, 1]")
     if not d.train_files:
-        problems.append("data.train_files is empty; give a JSONL or Parquet file of prompts")
+        problems.append("data.train_files is not set; give a JSONL or Parquet file of prompts")
     if not 0 <= d.val_fraction < 1:
         problems.append(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    if cfg.trainer.step_timeout_s <= 0:
+        problems.append(f"trainer.step_timeout_s={cfg.trainer.step_timeout_s} must be > 0")
     if cfg.dock.ray_address and cfg.dock.backend != "ray":
         problems.append(f"dock.ray_address={cfg.dock.ray_address!r} needs dock.backend='ray'")
     try:

@@ -62,16 +62,16 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _rewrite(path: Path, resume_step: int | None) -> None:
-    """Drop a partial last line (a crash mid-write) and, on resume, the steps after ``resume_step``, so
-    the next append starts on a fresh line and no step appears twice."""
+    """Drop a partial last line (a crash mid-write) and, on resume, the rows of steps >= ``resume_step``,
+    so the next append starts on a fresh line and no step appears twice."""
     if not path.exists():
         return
     text = path.read_text(encoding="utf-8")
     if text.endswith("\n") and resume_step is None:
         return
-    keep = [line for line in text.splitlines(keepends=True) if line.endswith("\n")]
+    keep = [line for line in text.splitlines(keepends=True) if line.endswith("\n") and line.strip()]
     if resume_step is not None:
-        keep = [line for line in keep if not line.strip() or json.loads(line).get("step", 0) <= resume_step]
+        keep = [line for line, row in zip(keep, read_metrics(path)) if row.get("step", 0) < resume_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep), encoding="utf-8")
     os.replace(tmp, path)
@@ -80,7 +80,9 @@ def _rewrite(path: Path, resume_step: int | None) -> None:
 class MetricsWriter:
     """Appends ``{"step": step, **metrics}`` to ``run_dir/metrics.jsonl``, flushed each step.
 
-    ``resume_step``: continuing a run from that step's checkpoint, drop rows of later steps first.
+    ``resume_step``: the first step this run will write (a checkpoint's step count when resuming; 0 for a
+    fresh run into an old directory): rows of steps >= ``resume_step`` are dropped first, so a resumed
+    run never shows a step twice. None keeps every row and appends.
     ``tensorboard``: also write scalars with ``torch.utils.tensorboard`` if the tensorboard package is
     installed (it is optional; without it this logs a note and writes JSONL only).
     """
