@@ -80,11 +80,12 @@ def latest(run_dir: str | os.PathLike[str]) -> Path | None:
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
-def resolve(run_dir: str | os.PathLike[str], resume: str | None) -> Path | None:
-    """``trainer.resume``: None (fresh), ``auto`` (latest in the run dir, None if there is none) or a path."""
-    if not resume:
+def resolve(run_dir: str | os.PathLike[str], resume: bool | str | None) -> Path | None:
+    """``trainer.resume``: false/None (fresh), true or ``auto`` (the latest checkpoint in the run dir, None
+    if there is none) or a checkpoint directory."""
+    if resume is None or resume is False or resume == "":
         return None
-    if resume == "auto":
+    if resume is True or resume == "auto":
         return latest(run_dir)
     p = Path(resume)
     if not (p / "trainer_state.json").is_file():

@@ -103,14 +103,14 @@ class GRPOTrainer:
         score: Any,
         train_engine: Any,
         sampler_factory: Any,
-        swap: bool = True,
+        swap: bool | None = None,
         dock_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.tok = cfg, tokenizer
         self.records = records
         self.reward_fn, self._score = reward_fn, score
         self.engine = train_engine
-        self.swap_enabled = swap
+        self.swap_enabled = bool(cfg.reshard.swap) if swap is None else swap
         self.n = int(cfg.rollout.n)
         self.batch_rows = rows_per_step(cfg)
         self.mini_batch_rows = rows_per_mini_batch(cfg)
@@ -128,7 +128,7 @@ class GRPOTrainer:
         self.stages = grpo_stages(
             self.batch_rows,
             self.n,
-            claim_groups=2,
+            claim_groups=int(cfg.rollout.claim_groups),
             use_reference=self.use_reference,
             recompute_old=not self.on_policy,
         )
@@ -148,7 +148,7 @@ class GRPOTrainer:
             "old_log_p": self._old_log_p,
             "update": self._update,
         }
-        self.runner = StageRunner(self.dock, self.stages, work, deadline_s=STEP_DEADLINE_S)
+        self.runner = StageRunner(self.dock, self.stages, work, deadline_s=float(cfg.trainer.step_timeout_s))
         self.step_index = 0
         self._swap: Any = None
         self._gen = torch.Generator()
@@ -245,9 +245,8 @@ class GRPOTrainer:
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite actor loss {float(loss)} at step {self.step_index}")
                 loss.backward()
-                w = len(rows) / len(mb)
-                for k, v in m.items():  # losses are already scaled to the mini-batch; fractions weighted
-                    acc[k] = acc.get(k, 0.0) + (v if k.endswith("_loss") else v * w)
+                for k, v in m.items():  # micro-batch shares: they sum to the mini-batch's value
+                    acc[k] = acc.get(k, 0.0) + v
             acc["actor/grad_norm"] = self.engine.clip_and_step(float(a.clip_grad))
             for k, v in acc.items():
                 sums.setdefault(k, []).append(v)
@@ -376,9 +375,6 @@ LOOPBACK_RAY = {
     "object_store_memory": 256 << 20,
     "log_to_driver": False,
 }
-
-#: A step that does not finish in this time fails with a message naming the stuck stage (no hang).
-STEP_DEADLINE_S = 900.0
 
 
 def _dock_metrics(stats: dict[str, Any], progress: dict[str, dict[str, int]]) -> dict[str, float]:

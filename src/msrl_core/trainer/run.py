@@ -146,7 +146,7 @@ def train(
     cfg: Any,
     *,
     before_training: Callable[[Any, CharTokenizer, list[dict]], None] | None = None,
-    swap: bool = True,
+    swap: bool | None = None,
     dock_options: dict[str, Any] | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
@@ -223,10 +223,7 @@ def train(
     done = start
     if start == 0 and (run_dir / "metrics.jsonl").exists():
         log(f"fresh run in {run_dir}: the previous metrics.jsonl is replaced")
-        (run_dir / "metrics.jsonl").unlink()
-    writer = MetricsWriter(
-        run_dir, tensorboard=bool(cfg.trainer.tensorboard), resume_step=start if start else None
-    )
+    writer = MetricsWriter(run_dir, tensorboard=bool(cfg.trainer.tensorboard), resume_step=start)
     bar = None
     if progress:
         from tqdm import tqdm
