@@ -171,8 +171,14 @@ def train(
     check_tokenizable(tok, cfg, train_records, "training")
     check_tokenizable(tok, cfg, val_records, "validation")
     reward_fn = load_reward_fn(cfg.reward.fn)
-    if cfg.actor.engine == "hf" and cfg.trainer.device not in ("auto", "cpu"):
-        raise ConfigError(f"trainer.device={cfg.trainer.device!r}: this build's hf engine trains on the cpu")
+    from msrl_core.trainer.engines import select_device
+
+    device = select_device(cfg.trainer.device)
+    if device != "cpu":
+        raise ConfigError(
+            f"trainer.device={cfg.trainer.device!r} resolves to {device!r}: this build runs the trainer's "
+            "engines on the CPU only (its GPU/NPU path is not built yet); set trainer.device=cpu"
+        )
     seed = int(cfg.trainer.seed)
     torch.manual_seed(seed)
     np.random.seed(seed % (1 << 32))

@@ -64,7 +64,7 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int) -> Any:
     """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``)."""
     import torch.nn.functional as F
 
-    megatron_cpu.activate()
+    megatron_cpu.activate(force=True)  # the trainer runs this engine on the CPU (run.train checks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state as ps

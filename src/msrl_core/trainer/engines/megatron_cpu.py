@@ -5,7 +5,8 @@ megatron-core hard-codes a few ``torch.cuda`` calls: ``current_device()`` to pla
 router tensors, the CUDA RNG tracker, ``Tensor.cuda()`` when tying embeddings, NVTX ranges, a CUDA causal
 mask, and it leaves some Transformer-Engine fused MoE kernels undefined. ``activate()`` redirects them to the
 CPU. It changes process-wide state (``torch.cuda`` functions), so it is meant for a process that trains on
-the CPU: it is a no-op when a CUDA or Ascend NPU device is present, and it is idempotent.
+the CPU: it is a no-op when a CUDA or Ascend NPU device is present (unless forced: the trainer forces it
+with ``trainer.device=cpu``), and it is idempotent.
 
 The trainer's Megatron engine calls it before building a ``GPTModel`` when the device is the CPU; the
 reshard tests call it in their worker processes.
@@ -49,13 +50,14 @@ def is_active() -> bool:
     return _ACTIVE
 
 
-def activate() -> bool:
+def activate(force: bool = False) -> bool:
     """Patch torch.cuda and megatron-core for the CPU. Returns True when the patch is (now) active, False
-    when an accelerator is present (nothing changed)."""
+    when an accelerator is present (nothing changed). ``force=True`` patches even then: for a process that
+    was told to train on the CPU (``trainer.device=cpu``) on a machine that has a GPU."""
     global _ACTIVE
     if _ACTIVE:
         return True
-    if accelerator_present():
+    if accelerator_present() and not force:
         return False
     import torch
 
