@@ -50,6 +50,15 @@ def test_impossible_parallel_sizes(tmp_path, capsys):
     assert "actor.tp=3" in err and "allowed: [1, 2, 4]" in err
 
 
+def test_vllm_rollout_without_vllm_is_a_clear_error(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    assert _demo(tmp_path, "rollout.engine=vllm") == 2
+    assert "install vllm" in capsys.readouterr().err
+
+
 def test_missing_data_file(tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     assert _demo(tmp_path, f"data.train_files={missing}") == 2

