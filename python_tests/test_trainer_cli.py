@@ -183,3 +183,23 @@ def test_megatron_follower_killed_mid_run(tmp_path):
             proc.kill()
     assert proc.returncode not in (0, None), err[-2000:]
     assert len(read_metrics(tmp_path)) >= 1
+
+
+def test_train_with_the_example_config(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    args = [x for x in TINY if not x.startswith("demo.")]
+    rc = main(
+        [
+            "train",
+            str(root / "examples" / "train.yaml"),
+            *args,
+            f"data.train_files={root / 'examples' / 'data' / 'arithmetic.jsonl'}",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.steps=2",
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert (tmp_path / "config.yaml").read_text().count("arithmetic.jsonl") == 1

@@ -162,3 +162,13 @@ def test_megatron_tp2_short_run(tmp_path):
         p.name for p in ckpt.iterdir()
     }
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
+
+
+@pytest.mark.slow
+def test_ray_dock_same_schema(tmp_path):
+    pytest.importorskip("ray")
+    out = _cli(
+        ["demo", *TINY, f"trainer.output_dir={tmp_path}", "trainer.steps=2", "actor.engine=hf", "--ray"]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_steps(read_metrics(tmp_path), 2, 16)
