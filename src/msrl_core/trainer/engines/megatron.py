@@ -457,6 +457,10 @@ def _join(procs: list[Any], timeout: float = 60.0) -> None:
 
 
 def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int) -> None:
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when to stop (it sends STOP)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from omegaconf import OmegaConf
