@@ -88,6 +88,15 @@ def test_hf_engine_short_run(tmp_path):
     assert rows[0]["actor/kl_loss"] == 0.0  # the reference is the initial policy
     assert "val/score/mean" in rows[0] and "val/score/mean" in rows[-1]  # step 0 and the final policy
     assert (res.final_checkpoint / "model.safetensors").is_file()
+    # the checkpoint is a Hugging Face model: transformers loads it with exactly the saved weights
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(res.final_checkpoint)).eval()
+    from safetensors.torch import load_file
+
+    saved = load_file(str(res.final_checkpoint / "model.safetensors"))
+    assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "reward.png").is_file()
 
 
