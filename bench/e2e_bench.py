@@ -62,11 +62,13 @@ class CentralDock:
         self.capacity, self.group_size, self.stages = capacity, group_size, stages
         self.actor = ray.remote(num_cpus=0.1)(CentralBuffer).remote(stages, capacity, group_size)
         self._ray = ray
+        self._pending: dict[str, list[int]] = {}
 
     def _get(self, ref):
         return self._ray.get(ref, timeout=120)
 
     def reset(self) -> None:
+        self._pending = {}
         self._get(self.actor.reset.remote())
 
     def put(self, data, rows=None):
@@ -77,22 +79,22 @@ class CentralDock:
         return np.asarray(self._get(self.actor.put.remote(r, cols)))
 
     def claim(self, stage, max_rows, timeout=0.0, min_rows=None):
+        """Rows the buffer handed out before ``min_rows`` were reached wait here for the next call (the
+        centralized buffer marks rows consumed when it returns them)."""
         import numpy as np
 
         from msrl_core.dock import Claim
+        from msrl_core.errors import Timeout
 
         need = min_rows or self.group_size
-        got: list[int] = []
+        got = self._pending.setdefault(stage, [])
         deadline = time.monotonic() + timeout
         while len(got) < need:
-            left = max(0.0, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"central buffer: {len(got)} of {need} rows ready for {stage}")
             got += self._get(self.actor.claim.remote(stage, max_rows - len(got), min(left, 0.5)))
-            if time.monotonic() > deadline and len(got) < need:
-                if got:  # the centralized buffer already marked them consumed: hand them out
-                    break
-                from msrl_core.errors import Timeout
-
-                raise Timeout(f"central buffer: no rows for {stage}")
+        self._pending[stage] = []
         return Claim(stage, np.asarray(got, np.int64))
 
     def fetch(self, meta, columns=None):
