@@ -40,6 +40,7 @@ MODEL = [
     "model.num_layers=4",
     "model.num_attention_heads=8",
     "model.num_query_groups=4",
+    "actor.tp=1",
     "data.global_batch_size=8",
     "rollout.n=8",
     "actor.ppo_mini_batch_size=8",

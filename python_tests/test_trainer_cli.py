@@ -21,6 +21,7 @@ from msrl_core.trainer.grpo import GRPOTrainer  # noqa: E402
 from msrl_core.trainer.metrics import read_metrics  # noqa: E402
 
 TINY = [
+    "actor.tp=1",
     "data.global_batch_size=4",
     "rollout.n=4",
     "actor.ppo_mini_batch_size=4",

@@ -20,6 +20,7 @@ from msrl_core.trainer.metrics import read_metrics  # noqa: E402
 
 # 4 prompts x 4 samples per step; small enough for a loaded 2-core machine
 TINY = [
+    "actor.tp=1",
     "data.global_batch_size=4",
     "rollout.n=4",
     "actor.ppo_mini_batch_size=4",

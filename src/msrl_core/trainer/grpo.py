@@ -330,7 +330,7 @@ class GRPOTrainer:
         for k, v in tele.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 metrics[f"reshard/{k}"] = float(v)
-        metrics.update(_dock_metrics(self.dock.stats(), progress))
+        metrics.update(_dock_metrics(self.dock.stats(), progress, self.runner.counts))
         self.step_index += 1
         return metrics
 
@@ -379,12 +379,19 @@ LOOPBACK_RAY = {
 }
 
 
-def _dock_metrics(stats: dict[str, Any], progress: dict[str, dict[str, int]]) -> dict[str, float]:
+def _dock_metrics(
+    stats: dict[str, Any], progress: dict[str, dict[str, int]], counts: dict[str, int]
+) -> dict[str, float]:
+    """The same ``dock/*`` keys on every backend: client-side latencies of put/claim/fetch (the dock's
+    own figures), the operations this step issued (counted by the trainer) and rows consumed per stage."""
     out: dict[str, float] = {}
-    for op, d in stats.get("ops", {}).items():
-        for k, v in d.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+    for op in ("put", "claim", "fetch"):
+        d = stats.get("ops", {}).get(op, {})
+        for k in ("p50_us", "p99_us"):
+            v = d.get(k)
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
                 out[f"dock/{op}_{k}"] = float(v)
+        out[f"dock/{op}_count"] = float(counts.get(op, 0))
     for stage, p in progress.items():
         out[f"dock/consumed_{stage}"] = float(p.get("consumed_rows", 0))
     return out

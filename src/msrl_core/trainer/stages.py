@@ -103,13 +103,15 @@ class StageRunner:
         if missing:
             raise ValueError(f"no work function for stages {missing}")
         self.dock, self.stages, self.work, self.deadline_s = dock, stages, work, deadline_s
-        self.events: dict[str, threading.Event] = {}
+        self.counts: dict[str, int] = {}  # dock operations of the last run() (the trainer's own count)
+        self._count_lock = threading.Lock()
         self.on_done: dict[str, Callable[[], None]] = {}
 
     def run(self, clock: StageClock, gates: Mapping[str, threading.Event]) -> None:
         """Start every stage, wait for all; the first failure stops the others and is raised as
         :class:`StageError`."""
         stop = threading.Event()
+        self.counts = {"put": 1, "claim": 0, "fetch": 0}  # the driver's put of the prompts
         errors: list[StageError] = []
         deadline = time.monotonic() + self.deadline_s
 
@@ -160,13 +162,20 @@ class StageRunner:
             except Timeout:
                 continue
             t0 = time.perf_counter()
+            self._count("claim")
             batch = self.dock.fetch(meta, list(spec.reads))
+            self._count("fetch")
             out = work(batch)
             if spec.writes:
                 assert out is not None, f"stage {spec.name} must write {spec.writes}"
                 self.dock.put(dict(out), rows=meta)
+                self._count("put")
             clock.add(spec.name, t0, time.perf_counter())
             done += len(meta)
+
+    def _count(self, op: str) -> None:
+        with self._count_lock:
+            self.counts[op] = self.counts.get(op, 0) + 1
 
     def _check(self, spec: StageSpec, stop: threading.Event, deadline: float) -> None:
         if stop.is_set():
