@@ -16,21 +16,12 @@ import pytest
 pytest.importorskip("omegaconf")
 pytest.importorskip("transformers")
 
+import trainer_util  # noqa: E402
 from msrl_core.cli import main  # noqa: E402
 from msrl_core.trainer.grpo import GRPOTrainer  # noqa: E402
 from msrl_core.trainer.metrics import read_metrics  # noqa: E402
 
-TINY = [
-    "actor.tp=1",
-    "data.global_batch_size=4",
-    "rollout.n=4",
-    "actor.ppo_mini_batch_size=4",
-    "actor.micro_batch_size=8",
-    "demo.records=120",
-    "demo.warmup_steps=2",
-    "trainer.val_every=0",
-    "actor.engine=hf",
-]
+TINY = [*trainer_util.TINY, "trainer.val_every=0", "actor.engine=hf"]
 
 
 def _demo(tmp_path, *extra: str) -> int:

@@ -15,20 +15,11 @@ import pytest
 pytest.importorskip("omegaconf")
 pytest.importorskip("transformers")
 
+import trainer_util  # noqa: E402
 from msrl_core.trainer.demo import run_demo  # noqa: E402
 from msrl_core.trainer.metrics import read_metrics  # noqa: E402
 
-# 4 prompts x 4 samples per step; small enough for a loaded 2-core machine
-TINY = [
-    "actor.tp=1",
-    "data.global_batch_size=4",
-    "rollout.n=4",
-    "actor.ppo_mini_batch_size=4",
-    "actor.micro_batch_size=8",
-    "demo.records=120",
-    "demo.warmup_steps=3",
-    "trainer.val_every=2",
-]
+TINY = [*trainer_util.TINY, "trainer.val_every=2"]
 
 SCHEMA = [
     "step",
