@@ -143,7 +143,7 @@ def test_ctrl_c_stops_cleanly_keeping_metrics_and_checkpoint(tmp_path):
     assert len(rows) >= 2 and len(rows) < 500
     last = Path(tmp_path) / "checkpoints" / f"step_{len(rows)}"
     assert (last / "model.safetensors").is_file() and (last / "trainer_state.json").is_file()
-    # and the run resumes from it
+    # msrl report redraws the interrupted run
     assert main(["report", str(tmp_path)]) == 0
 
 
