@@ -11,7 +11,7 @@ PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 # NVIDIA's and Huawei's headers for the vendor ABI conformance test: fetched once, outside the repository.
 VENDOR_HEADERS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/msrl_core/vendor_headers
 
-.PHONY: setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo test clean
+.PHONY: setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo bandwidth test clean
 
 setup: apt install
 
@@ -75,11 +75,17 @@ py-test: install
 	$(VPY) -m pytest python_tests
 
 bench: build-bench install
-	build/bench/bench/msrl_bandwidth
+	build/bench/bench/msrl_bandwidth --json
 	$(VPY) bench/copy_bench.py
 
-demo: setup build-bench
-	build/bench/bench/msrl_bandwidth --reps 5
+# The main job: GRPO on the CPU (a tiny Megatron-core GPTModel learns "a+b=" in a few minutes).
+# Arguments: make demo ARGS="trainer.seed=2 trainer.output_dir=runs/demo2"
+demo: setup install
+	$(VPY) -m msrl_core.cli demo $(ARGS)
+
+# Host<->device bandwidth of the native core: a readable table (BANDWIDTH_ARGS=--json for JSON lines).
+bandwidth: setup build-bench
+	build/bench/bench/msrl_bandwidth --reps 5 $(BANDWIDTH_ARGS)
 	$(VPY) examples/core_demo.py
 
 test: setup lint cpp-test cpp-asan cpp-tsan py-test

@@ -51,13 +51,26 @@ void check(bool ok, const std::string& what) {
   }
 }
 
+bool g_json = false;  // --json: one JSON object per case (as before); default: a readable table
+bool g_header = false;
+
 void report(const std::string& name, const DeviceRuntime& rt, double bytes, double secs, const std::string& base,
             double base_secs, const std::string& extra = "") {
   double g = bytes / secs / 1e9, bg = bytes / base_secs / 1e9;
-  std::printf(
-      "{\"case\": \"%s\", \"backend\": \"%s\", \"bytes\": %.0f, \"gbps_median\": %.3f, \"baseline\": \"%s\", "
-      "\"baseline_gbps_median\": %.3f, \"ratio\": %.3f, \"reps\": %d, \"statistic\": \"median\"%s}\n",
-      name.c_str(), rt.name(), bytes, g, base.c_str(), bg, g / bg, g_reps, extra.c_str());
+  if (g_json) {
+    std::printf(
+        "{\"case\": \"%s\", \"backend\": \"%s\", \"bytes\": %.0f, \"gbps_median\": %.3f, \"baseline\": \"%s\", "
+        "\"baseline_gbps_median\": %.3f, \"ratio\": %.3f, \"reps\": %d, \"statistic\": \"median\"%s}\n",
+        name.c_str(), rt.name(), bytes, g, base.c_str(), bg, g / bg, g_reps, extra.c_str());
+  } else {
+    if (!g_header) {
+      std::printf("%-46s %-7s %9s %8s  %-34s %9s %7s\n", "case", "backend", "MiB", "GB/s", "baseline", "base GB/s",
+                  "ratio");
+      g_header = true;
+    }
+    std::printf("%-46s %-7s %9.1f %8.2f  %-34s %9.2f %6.2fx\n", name.c_str(), rt.name(), bytes / 1048576.0, g,
+                base.c_str(), bg, g / bg);
+  }
   std::fflush(stdout);
 }
 
@@ -102,8 +115,11 @@ int main(int argc, char** argv) {
       big = std::strtoull(argv[++i], nullptr, 10);
     else if (a == "--only" && i + 1 < argc)
       g_only = argv[++i];
+    else if (a == "--json")
+      g_json = true;
     else {
-      std::fprintf(stderr, "usage: %s [--device auto|host|cuda|npu] [--reps N] [--bytes N] [--only SUBSTRING]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--device auto|host|cuda|npu] [--reps N] [--bytes N] [--only SUBSTRING] [--json]\n",
                    argv[0]);
       return 1;
     }

@@ -11,5 +11,5 @@ python3 -m pip install -q --no-build-isolation . 2>&1 | tail -2
 cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSRL_BUILD_PYTHON=OFF -DMSRL_BUILD_BENCH=ON >/dev/null
 cmake --build build/bench --target msrl_bandwidth
 python3 -c "import msrl_core, json; print(json.dumps(msrl_core.runtime_info()))" | tee "$out/runtime.json"
-build/bench/bench/msrl_bandwidth --device cuda --reps 9 | tee "$out/bandwidth_cuda.jsonl"
+build/bench/bench/msrl_bandwidth --device cuda --reps 9 --json | tee "$out/bandwidth_cuda.jsonl"
 MSRL_DEVICE=cuda python3 bench/copy_bench.py --reps 9 | tee "$out/copy_bench_cuda.jsonl"

@@ -1,0 +1,1 @@
+"""The reference GRPO trainer (``msrl train``): config, algorithm, stages, engines, metrics/report."""

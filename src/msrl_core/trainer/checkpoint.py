@@ -1,0 +1,106 @@
+"""Checkpoints in the run directory.
+
+``checkpoints/step_<k>/`` (k = steps completed) holds
+
+- ``model.safetensors`` + ``config.json``: the policy in the Hugging Face layout (``to_hf`` through
+  ``allgather_swap``), loadable with transformers' ``from_pretrained``;
+- ``train_rank<r>.safetensors``: each training rank's Megatron-layout shard (what resume loads);
+- ``optimizer_rank<r>.pt``: the optimizer state (tensors and numbers only, read with ``weights_only=True``);
+- ``trainer_state.json``: the step and the prompt loader's position.
+
+A checkpoint directory is written under a temporary name and renamed when complete, so an interrupted save
+never leaves a half checkpoint that resume would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CKPT_DIR = "checkpoints"
+
+
+def step_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return Path(run_dir) / CKPT_DIR / f"step_{step}"
+
+
+def save_hf(views: dict[str, Any], hf_config: Any, out: Path) -> None:
+    """Write the HF-layout weights (copies of the views: safetensors refuses shared storage)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().clone().contiguous() for k, v in views.items()}, str(out / "model.safetensors"))
+    if hf_config is not None:
+        hf_config.to_json_file(str(out / "config.json"))
+
+
+def save(
+    run_dir: str | os.PathLike[str],
+    step: int,
+    rank: int,
+    train_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+    trainer_state: dict[str, Any] | None,
+    hf: tuple[dict[str, Any], Any] | None,
+) -> Path:
+    """Save one rank's part of the checkpoint of ``step`` (rank 0 also writes the HF weights and the
+    trainer state). Returns the final directory."""
+    from safetensors.torch import save_file
+
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in train_state.items()},
+        str(tmp / f"train_rank{rank}.safetensors"),
+    )
+    torch.save(optimizer_state, tmp / f"optimizer_rank{rank}.pt")
+    if hf is not None:
+        save_hf(hf[0], hf[1], tmp)
+    if trainer_state is not None:
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    return final
+
+
+def latest(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint of a run directory, or None."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith("step_") and (p / "trainer_state.json").is_file()]
+    done = [p for p in done if p.name[5:].isdigit()]
+    return max(done, key=lambda p: int(p.name[5:]), default=None)
+
+
+def resolve(run_dir: str | os.PathLike[str], resume: bool | str | None) -> Path | None:
+    """``trainer.resume``: false/None (fresh), true or ``auto`` (the latest checkpoint in the run dir, None
+    if there is none) or a checkpoint directory."""
+    if resume is None or resume is False or resume == "":
+        return None
+    if resume is True or resume == "auto":
+        return latest(run_dir)
+    p = Path(resume)
+    if not (p / "trainer_state.json").is_file():
+        raise FileNotFoundError(
+            f"trainer.resume={resume!r} is not a checkpoint directory (no trainer_state.json); "
+            f"use 'auto' or a {CKPT_DIR}/step_<k> directory"
+        )
+    return p
+
+
+def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(train_state, optimizer_state, trainer_state) of one rank."""
+    from safetensors.torch import load_file
+
+    train = load_file(str(path / f"train_rank{rank}.safetensors"))
+    opt = torch.load(path / f"optimizer_rank{rank}.pt", weights_only=True)
+    state = json.loads((path / "trainer_state.json").read_text())
+    return train, opt, state

@@ -1,0 +1,261 @@
+"""Hugging Face engines: the ``hf`` training engine (TP 1) and the built-in HF rollout sampler.
+
+Both run a transformers ``*ForCausalLM`` built from the trainer's model config (no hub download). The
+training engine keeps its trainable leaves in the Megatron layout (what ``allgather_swap`` reads) and
+derives the HF tensors on each forward with ``msrl_core.reshard.reference.megatron_to_hf`` (differentiable
+torch slicing: one rule for the layout, shared with the reshard reference). The sampler's weights are the
+views of the flat buffer that ``allgather_swap`` fills (``plan.allocate_inference()``): nothing is copied
+into it outside the switch.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+
+import msrl_core
+from msrl_core.reshard import ModelConfig, Parallel, to_hf
+from msrl_core.reshard.reference import megatron_to_hf
+
+
+def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int) -> Any:
+    """A randomly initialised transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3)."""
+    import transformers as tf
+
+    c: Any
+    cls: Any
+    common: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hd,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+    )
+    if cfg.arch == "qwen2":
+        c, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif cfg.arch == "qwen3":
+        c, cls = tf.Qwen3Config(attention_bias=cfg.qkv_bias, **common), tf.Qwen3ForCausalLM
+    elif cfg.arch == "llama":
+        c, cls = tf.LlamaConfig(attention_bias=cfg.qkv_bias, mlp_bias=False, **common), tf.LlamaForCausalLM
+    else:
+        raise ValueError(f"model.arch {cfg.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
+    c._attn_implementation = "eager"
+    # parameters stay on the meta device (every forward supplies them); buffers (rotary frequencies) are
+    # rebuilt on the CPU by constructing their owning modules there
+    with torch.device("meta"):
+        model = cls(c)
+    for mod in list(model.modules()):
+        metas = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        if metas:
+            with torch.device("cpu"):
+                fresh = type(mod)(mod.config)
+            for n in metas:
+                setattr(mod, n, getattr(fresh, n))
+    return model.eval()
+
+
+def init_megatron_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Megatron-layout (TP 1) parameters, seeded per name: norms 1, biases 0, others N(0, 0.02)."""
+    shapes = to_hf(cfg, Parallel(tp=1)).train_shapes(0)
+    out = {}
+    for name, shape in shapes.items():
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_norm_weight"):
+            t = torch.ones(shape)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            t = 0.02 * torch.randn(shape, generator=g)
+        out[name] = t.to(getattr(torch, cfg.dtype))
+    return out
+
+
+def _functional_logits(model: Any, hf_tensors: dict[str, Any], tokens: torch.Tensor, mask=None, pos=None):
+    out = torch.func.functional_call(
+        model,
+        {**dict(model.named_buffers()), **hf_tensors},
+        args=(),
+        kwargs={"input_ids": tokens, "attention_mask": mask, "position_ids": pos, "use_cache": False},
+        tie_weights=False,
+        strict=True,
+    )
+    return out.logits
+
+
+class HFTrainEngine:
+    """TP-1 training engine: transformers forward over Megatron-layout leaves."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope_theta: float,
+        max_positions: int,
+        seed: int,
+        params: dict[str, torch.Tensor] | None = None,
+        trainable: bool = True,
+    ) -> None:
+        self.model_config = cfg
+        self.parallel = Parallel(tp=1)
+        self.groups: dict[str, Any] = {"tp": None, "pp": None, "ep": None}
+        self._rope_theta, self._max_positions = rope_theta, max_positions
+        self.model = transformers_model(cfg, rope_theta, max_positions)
+        self.params = params if params is not None else init_megatron_params(cfg, seed)
+        for p in self.params.values():
+            p.requires_grad_(trainable)
+        self.rank = 0
+        self.optimizer: Any = None
+        self._swap: Any = None
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        hf = megatron_to_hf(self.model_config, self.parallel, {(0, 0, 0): self.params})
+        if self.model_config.tie_word_embeddings:
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        return _functional_logits(self.model, hf, tokens)
+
+    def train_params(self) -> dict[str, torch.Tensor]:
+        return self.params
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.params.values())
+
+    def init_optimizer(self, lr: float, weight_decay: float) -> None:
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_and_step(self, max_norm: float) -> float:
+        """Global grad norm; clips to ``max_norm`` (> 0) and steps when the norm is finite."""
+        ps = [p for p in self.params.values() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(ps, max_norm if max_norm > 0 else float("inf")))
+        if math.isfinite(norm):
+            self.optimizer.step()
+        return norm
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
+        """``allgather_swap`` of the Megatron-layout leaves into the HF-layout ``flat`` buffer."""
+        self._swap = msrl_core.allgather_swap(
+            self.params, flat, plan, self.groups, bucket_bytes=bucket_bytes, swap=swap
+        )
+        return self._swap
+
+    def switch_back(self) -> None:
+        if self._swap is not None and self._swap.state != "back":
+            self._swap.swap_back()
+            self._swap.wait()
+
+    def save_followers(self, step: int) -> None:
+        """No other ranks (TP 1)."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def frozen_copy(self) -> HFTrainEngine:
+        params = {k: v.detach().clone() for k, v in self.params.items()}
+        return HFTrainEngine(
+            self.model_config, self._rope_theta, self._max_positions, 0, params=params, trainable=False
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.params.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = sorted(set(self.params) - set(state))
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters {missing[:3]}... ({len(missing)} missing)")
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(state[k])
+
+
+class HFSampler:
+    """Built-in rollout engine: a transformers model whose weights are the HF-layout views that
+    ``allgather_swap`` fills. Batched sampling with left padding; returns the log-probs of the sampled
+    tokens under the temperature-scaled distribution (what the trainer recomputes)."""
+
+    def __init__(self, cfg: ModelConfig, rope_theta: float, max_positions: int, views: dict[str, Any]):
+        self.model = transformers_model(cfg, rope_theta, max_positions)
+        self.views = dict(views)
+        if cfg.tie_word_embeddings:
+            self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
+
+    def on_switch(self) -> None:
+        """Nothing to do: the views are this sampler's weights, ``allgather_swap`` filled them in place."""
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return _functional_logits(self.model, self.views, tokens, mask, pos)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[torch.Tensor],
+        max_new: int,
+        eos_id: int,
+        pad_id: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+        greedy: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Sample up to ``max_new`` tokens per prompt (stops at ``eos_id``, which is kept). Returns per row
+        the response tokens and their log-probs."""
+        B = len(prompts)
+        plen = max(len(p) for p in prompts)
+        tokens = torch.full((B, plen), pad_id, dtype=torch.int64)
+        mask = torch.zeros((B, plen), dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, plen - len(p) :] = p
+            mask[i, plen - len(p) :] = 1
+        done = torch.zeros(B, dtype=torch.bool)
+        lengths = torch.zeros(B, dtype=torch.int64)
+        out_tok, out_lp = [], []
+        for _ in range(max_new):
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            last = self.logits(tokens, mask, pos)[:, -1, :].float()
+            if greedy:
+                nxt = last.argmax(-1)
+                lp = torch.log_softmax(last, -1).gather(1, nxt[:, None])[:, 0]
+            else:
+                scaled = last / temperature
+                logp = torch.log_softmax(scaled, -1)
+                probs = logp.exp()
+                if top_p < 1.0:
+                    probs = _top_p(probs, top_p)
+                nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                lp = logp.gather(1, nxt[:, None])[:, 0]
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+            out_tok.append(nxt)
+            out_lp.append(lp)
+            lengths += (~done).long()
+            done |= nxt == eos_id
+            tokens = torch.cat([tokens, nxt[:, None]], 1)
+            mask = torch.cat([mask, (~done | (nxt == eos_id)).long()[:, None]], 1)
+            if bool(done.all()):
+                break
+        toks, lps = torch.stack(out_tok, 1), torch.stack(out_lp, 1)
+        return [toks[i, : lengths[i]].clone() for i in range(B)], [
+            lps[i, : lengths[i]].clone() for i in range(B)
+        ]
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sp, idx = probs.sort(-1, descending=True)
+    keep = sp.cumsum(-1) - sp < top_p
+    sp = sp * keep
+    return torch.zeros_like(probs).scatter(-1, idx, sp)

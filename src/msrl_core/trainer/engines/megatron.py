@@ -1,0 +1,472 @@
+"""The Megatron-core training engine: a ``GPTModel`` (local layer spec) sharded with tensor parallelism over
+torch.distributed (gloo on a CPU, through :mod:`megatron_cpu`).
+
+Process model. The trainer (stages, dock, rollout, reward) runs in rank 0. With ``actor.tp = 1`` the
+engine lives in that process (a one-rank gloo group). With ``actor.tp = T > 1`` rank 0 spawns ``T - 1``
+follower processes that build their shards and serve rank 0's engine operations: every operation rank 0
+issues (forward, backward, grad clip + optimizer step, weight switch, swap back, save) is first announced
+to the followers with a small broadcast header, then both sides run the same Megatron code, whose TP
+collectives pair up. Operations are serialised by a lock, so concurrent stage threads (reference and
+old_log_p forwards, the swap back) never interleave collectives. The backward needs no announcement by
+the caller: a hook on the logits broadcasts their gradient when autograd reaches it, and the followers run
+the same backward with it. A follower that fails exits; rank 0's next collective then fails after the
+process group's timeout instead of hanging.
+
+Pipeline parallelism is not supported by this engine yet (``actor.pp`` must be 1).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from msrl_core.reshard import ModelConfig, Parallel
+from msrl_core.trainer.engines import megatron_cpu
+
+# operation codes of the rank-0 -> follower protocol
+_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE = range(11)
+_HDR = 8  # header: [op, model, ndim, d0, d1, d2, arg0, arg1]
+PG_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise RuntimeError(
+                f"torch.distributed is already initialised with world size {dist.get_world_size()}, "
+                f"the Megatron engine needs {world}"
+            )
+        return
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+
+
+def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int) -> Any:
+    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``)."""
+    import torch.nn.functional as F
+
+    megatron_cpu.activate(force=True)  # the trainer runs this engine on the CPU (run.train checks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+    from msrl_core.reshard.layout import megatron_padded_vocab
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    dtype = getattr(torch, mc.dtype)
+    tc = TransformerConfig(
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        num_attention_heads=mc.num_attention_heads,
+        num_query_groups=mc.num_key_value_heads,
+        kv_channels=mc.hd,
+        ffn_hidden_size=mc.intermediate_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        init_method_std=0.02,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=mc.qkv_bias,
+        qk_layernorm=mc.qk_norm,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.model.norm_epsilon),
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+    )
+    spec = get_gpt_layer_local_spec(qk_layernorm=mc.qk_norm, normalization="RMSNorm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPTModel(
+            tc,
+            spec,
+            vocab_size=megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, tp),
+            max_sequence_length=int(cfg.model.max_position_embeddings),
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=mc.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(cfg.model.rope_theta),
+            parallel_output=False,
+        )
+    return model
+
+
+class _Model:
+    """One GPTModel of this rank (the policy, or a frozen reference copy) and its optimizer."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.optimizer: Any = None
+        self.pending: Any = None  # a follower's logits awaiting their gradient
+
+
+class MegatronTrainEngine:
+    """See the module docstring. Rank 0 constructs it (and spawns the followers when ``tp > 1``)."""
+
+    def __init__(self, cfg: Any, mc: ModelConfig, seed: int, rank: int = 0, port: int | None = None) -> None:
+        import torch.distributed as dist
+
+        tp, pp, ep = int(cfg.actor.tp), int(cfg.actor.pp), int(cfg.actor.ep)
+        if pp != 1 or ep != 1:
+            raise NotImplementedError(
+                f"the Megatron engine of this trainer supports tensor parallelism only; got actor.pp={pp}, "
+                f"actor.ep={ep} (use 1)"
+            )
+        self.cfg, self.model_config, self.rank, self.seed = cfg, mc, rank, seed
+        self.parallel = Parallel(tp=tp)
+        self._procs: Any = None
+        if rank == 0 and tp > 1:
+            port = _free_port()
+            self._procs = _spawn_followers(cfg, seed, tp, port)
+        init_distributed(rank, tp, port or _free_port())
+        self._lock = threading.RLock()
+        self._models = [_Model(build_gpt(mc, cfg, tp, seed))]
+        self.module = self._models[0].module
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
+        self.groups: dict[str, Any] = {"tp": self.tp_group, "pp": None, "ep": None}
+        self._dist = dist
+        self._swap: Any = None
+        self._infer: Any = None
+        self._model_id = 0
+
+    # ---- protocol -----------------------------------------------------------------------------------
+
+    @property
+    def world(self) -> int:
+        return self.parallel.tp
+
+    def _announce(
+        self, op: int, model: int = 0, shape: tuple[int, ...] = (), a0: int = 0, a1: int = 0
+    ) -> None:
+        if self.world == 1 or self.rank != 0:
+            return
+        hdr = torch.zeros(_HDR, dtype=torch.int64)
+        hdr[0], hdr[1], hdr[2] = op, model, len(shape)
+        for i, d in enumerate(shape):
+            hdr[3 + i] = d
+        hdr[6], hdr[7] = a0, a1
+        self._dist.broadcast(hdr, src=0, group=self.tp_group)
+
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            self._dist.broadcast(t, src=0, group=self.tp_group)
+        return t
+
+    def serve(self) -> None:
+        """Follower loop: run rank 0's operations until it sends STOP."""
+        while True:
+            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64))
+            op, model, nd = int(hdr[0]), int(hdr[1]), int(hdr[2])
+            shape = tuple(int(x) for x in hdr[3 : 3 + nd])
+            a0, a1 = int(hdr[6]), int(hdr[7])
+            if op == _STOP:
+                return
+            m = self._models[model]
+            if op in (_LOGITS, _FWD):
+                tokens = self._bcast(torch.zeros(shape, dtype=torch.int64))
+                if op == _LOGITS:
+                    with torch.no_grad():
+                        self._forward(m, tokens)
+                else:
+                    m.pending = self._forward(m, tokens)
+            elif op == _BWD:
+                grad = self._bcast(torch.zeros(shape, dtype=torch.float32))
+                pending, m.pending = m.pending, None
+                pending.backward(grad.to(pending.dtype))
+            elif op == _ZERO:
+                m.optimizer.zero_grad(set_to_none=True)
+            elif op == _STEP:
+                self._clip_and_step(m, a0 / 1e6)
+            elif op == _OPT:
+                self._make_optimizer(m, a0 / 1e12, a1 / 1e12)
+            elif op == _SWITCH:
+                self._switch(bool(a0), a1)
+            elif op == _BACK:
+                self._back()
+            elif op == _CLONE:
+                self._clone()
+            elif op == _SAVE:
+                self._save_follower(a0)
+
+    def close(self) -> None:
+        """Stop the followers (rank 0)."""
+        if self._procs is not None:
+            with self._lock:
+                self._announce(_STOP)
+            _join(self._procs)
+            self._procs = None
+
+    # ---- local work (both sides) --------------------------------------------------------------------
+
+    def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        out = m.module(tokens, pos, None)
+        return out[..., : self.model_config.vocab_size]
+
+    def _make_optimizer(self, m: _Model, lr: float, wd: float) -> None:
+        m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
+
+    def _grad_norm(self, m: _Model) -> float:
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in m.module.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.world > 1:
+            self._dist.all_reduce(sharded, group=self.tp_group)
+        return float((sharded + replicated).sqrt())
+
+    def _clip_and_step(self, m: _Model, max_norm: float) -> float:
+        norm = self._grad_norm(m)
+        if norm == norm and norm != float("inf"):  # finite: clip, step
+            if max_norm > 0 and norm > max_norm:
+                for p in m.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(max_norm / (norm + 1e-6))
+            m.optimizer.step()
+        return norm
+
+    def _switch(self, swap: bool, bucket_bytes: int) -> Any:
+        import msrl_core
+        from msrl_core.reshard import to_hf
+
+        if self._infer is None:  # followers keep their own copy of the HF weights (inference TP is 1)
+            self._infer_plan = to_hf(self.model_config, self.parallel)
+            self._infer = self._infer_plan.allocate_inference()[0]
+        self._swap = msrl_core.allgather_swap(
+            self.module, self._infer, self._infer_plan, self.groups, bucket_bytes=bucket_bytes, swap=swap
+        )
+        return self._swap
+
+    def _back(self) -> None:
+        if self._swap is not None and self._swap.state != "back":
+            self._swap.swap_back()
+            self._swap.wait()
+
+    def _clone(self) -> None:
+        ref = build_gpt(
+            self.model_config, self.cfg, self.parallel.tp, self.seed
+        )  # process groups: no deepcopy
+        _load(ref, _params(self.module))
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self._models.append(_Model(ref))
+
+    def _save_follower(self, step: int) -> None:
+        from msrl_core.trainer import checkpoint as ckpt
+
+        tensors = {f"policy/{k}": v for k, v in self.state_dict().items()}
+        if len(self._models) > 1:
+            tensors.update({f"ref/{k}": v for k, v in _params(self._models[1].module).items()})
+        ckpt.save(
+            self.cfg.trainer.output_dir,
+            step,
+            self.rank,
+            tensors,
+            self._models[0].optimizer.state_dict(),
+            None,
+            None,
+        )
+        self._dist.barrier(group=self.tp_group)
+
+    # ---- the TrainEngine interface (rank 0) -------------------------------------------------------------
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._logits(0, tokens)
+
+    def _logits(self, model: int, tokens: torch.Tensor) -> torch.Tensor:
+        m = self._models[model]
+        tokens = tokens.contiguous()
+        grad = torch.is_grad_enabled() and model == 0
+        with self._lock:
+            self._announce(_FWD if grad else _LOGITS, model, tuple(tokens.shape))
+            self._bcast(tokens)
+            out = self._forward(m, tokens)
+        if grad and self.world > 1:
+            out.register_hook(self._grad_hook(model))
+        return out
+
+    def _grad_hook(self, model: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            with self._lock:
+                self._announce(_BWD, model, tuple(g.shape))
+                self._bcast(g.detach().float().contiguous())
+
+        return hook
+
+    def train_params(self) -> Any:
+        return self.module
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def init_optimizer(self, lr: float, weight_decay: float) -> None:
+        with self._lock:
+            self._announce(_OPT, 0, (), int(round(lr * 1e12)), int(round(weight_decay * 1e12)))
+            self._make_optimizer(self._models[0], lr, weight_decay)
+
+    def zero_grad(self) -> None:
+        with self._lock:
+            self._announce(_ZERO)
+            self._models[0].optimizer.zero_grad(set_to_none=True)
+
+    def clip_and_step(self, max_norm: float) -> float:
+        with self._lock:
+            self._announce(_STEP, 0, (), int(round(max_norm * 1e6)))
+            return self._clip_and_step(self._models[0], max_norm)
+
+    def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
+        """``allgather_swap`` of this rank's shard into rank 0's HF-layout ``flat`` buffer (every rank)."""
+        with self._lock:
+            self._announce(_SWITCH, 0, (), int(swap), bucket_bytes)
+            self._infer, self._infer_plan = flat, plan
+            return self._switch(swap, bucket_bytes)
+
+    def switch_back(self) -> None:
+        with self._lock:
+            self._announce(_BACK)
+            self._back()
+
+    def frozen_copy(self) -> _Reference:
+        with self._lock:
+            self._announce(_CLONE)
+            self._clone()
+        return _Reference(self, len(self._models) - 1)
+
+    def save_followers(self, step: int) -> None:
+        """Followers write their shards of the checkpoint of ``step`` (into its temporary directory)."""
+        if self.world > 1:
+            with self._lock:
+                self._announce(_SAVE, 0, (), step)
+                self._dist.barrier(group=self.tp_group)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self._models[0].optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self._models[0].optimizer.load_state_dict(state)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return _params(self.module)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load(self.module, state)
+
+
+class _Reference:
+    """The frozen reference policy: a second GPTModel on every rank, forward only."""
+
+    def __init__(self, engine: MegatronTrainEngine, model: int) -> None:
+        self.engine, self.model = engine, model
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.engine._logits(self.model, tokens)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return _params(self.engine._models[self.model].module)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load(self.engine._models[self.model].module, state)
+
+
+def _params(module: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in module.named_parameters()}
+
+
+def _load(module: Any, state: dict[str, Any]) -> None:
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint lacks parameters {missing[:3]} ({len(missing)} missing)")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(state[k])
+
+
+# ---- followers ------------------------------------------------------------------------------------------
+
+
+def _spawn_followers(cfg: Any, seed: int, world: int, port: int) -> Any:
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_follower_main, args=(r, world, port, text, seed), daemon=True)
+        for r in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _join(procs: list[Any], timeout: float = 60.0) -> None:
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+
+
+def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int) -> None:
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when to stop (it sends STOP)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    from omegaconf import OmegaConf
+
+    from msrl_core.trainer.config import model_config
+
+    cfg: Any = OmegaConf.create(cfg_yaml)
+    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port)
+    engine.serve()

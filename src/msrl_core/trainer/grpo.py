@@ -1,0 +1,397 @@
+"""The GRPO trainer: engines, the weight switch and the stage table over one ``Dock`` per iteration.
+
+One step:
+
+1. ``allgather_swap`` fills the rollout engine's HF-layout weights from the training shards and swaps the
+   training weights out to pinned host memory (``timing/resharding_to_infer``);
+2. the prompts of the step are put into the dock (``rollout.n`` rows each, one group per prompt) and the
+   stage workers run (:mod:`msrl_core.trainer.stages`): rollout samples group by group while reference and
+   rule_reward score the groups already sampled and adv normalises them;
+3. when the rollout has consumed every row, ``swap_back()`` + ``wait()`` bring the training weights back
+   (``timing/resharding_to_train``), which opens the gate of old_log_p and update;
+4. update runs ``ppo_epochs`` x mini-batches of the clipped GRPO loss.
+
+The trainer moves no data of its own: samples go through the dock, weights through ``allgather_swap``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from msrl_core.reshard import to_hf
+from msrl_core.trainer import algorithm as A
+from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
+from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
+from msrl_core.trainer.stages import StageRunner, grpo_stages, make_dock
+
+
+@dataclass
+class Packed:
+    """Prompt + response rows, right-padded: ``tokens`` [B, L]; the response token j of row i is
+    ``tokens[i, pos[i, j] + 1]``, predicted at ``pos[i, j]``; ``mask`` [B, R] marks real response tokens."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    responses: torch.Tensor
+    mask: torch.Tensor
+
+
+def pack(prompts: Any, responses: Any, pad_id: int) -> Packed:
+    ps = [torch.as_tensor(np.asarray(p)) for p in prompts]
+    rs = [torch.as_tensor(np.asarray(r)) for r in responses]
+    B = len(ps)
+    L = max(len(p) + len(r) for p, r in zip(ps, rs))
+    R = max(1, max(len(r) for r in rs))
+    tokens = torch.full((B, L), pad_id, dtype=torch.int64)
+    pos = torch.zeros((B, R), dtype=torch.int64)
+    resp = torch.full((B, R), pad_id, dtype=torch.int64)
+    mask = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(ps, rs)):
+        tokens[i, : len(p)] = p
+        tokens[i, len(p) : len(p) + len(r)] = r
+        resp[i, : len(r)] = r
+        mask[i, : len(r)] = 1.0
+        pos[i] = (len(p) - 1 + torch.arange(R)).clamp(max=L - 1)
+    return Packed(tokens, pos, resp, mask)
+
+
+def padded(rows: Any, width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(np.asarray(r))
+    return out
+
+
+def response_log_probs(
+    engine: Any, pk: Packed, rows: Any, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of ``rows`` under ``engine`` at ``temperature``."""
+    L = int(pk.pos[rows].max()) + 2
+    logits = engine.logits(pk.tokens[rows, :L])
+    V = logits.shape[-1]
+    at = torch.gather(logits, 1, pk.pos[rows].unsqueeze(-1).expand(-1, -1, V)) / temperature
+    lp = A.log_probs_from_logits(at, pk.responses[rows])
+    return lp, (A.entropy_from_logits(at) if entropy else None)
+
+
+def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
+    return [v.detach().numpy().astype(dtype) for v in values]
+
+
+class GRPOTrainer:
+    """Engines, optimizer, dock and stage table of one run.
+
+    ``records``: the training prompts (``{"prompt", "answer", ...}``); rows carry their position in this
+    list through the dock's ``index`` column. ``reward_fn(prompt, response, answer) -> float`` is called
+    through ``score`` (which names the function and the prompt when it fails). ``sampler_factory(views)``
+    builds the rollout engine over the HF-layout views that ``allgather_swap`` fills.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        tokenizer: Any,
+        records: list[dict],
+        reward_fn: Any,
+        score: Any,
+        train_engine: Any,
+        sampler_factory: Any,
+        swap: bool | None = None,
+        dock_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.cfg, self.tok = cfg, tokenizer
+        self.records = records
+        self.reward_fn, self._score = reward_fn, score
+        self.engine = train_engine
+        self.swap_enabled = bool(cfg.reshard.swap) if swap is None else swap
+        self.n = int(cfg.rollout.n)
+        self.batch_rows = rows_per_step(cfg)
+        self.mini_batch_rows = rows_per_mini_batch(cfg)
+        self.temperature = float(cfg.rollout.temperature)
+        a = cfg.actor
+        # exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy
+        self.on_policy = int(a.ppo_epochs) == 1 and self.mini_batch_rows == self.batch_rows
+        self.use_reference = float(a.kl_loss_coef) != 0.0
+        self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
+        self.engine.init_optimizer(float(a.lr), float(a.weight_decay))
+        # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
+        self.plan = to_hf(self.engine.model_config, self.engine.parallel)
+        self.flat, self.views = self.plan.allocate_inference()
+        self.sampler = sampler_factory(self.views)
+        self.stages = grpo_stages(
+            self.batch_rows,
+            self.n,
+            claim_groups=int(cfg.rollout.claim_groups),
+            use_reference=self.use_reference,
+            recompute_old=not self.on_policy,
+        )
+        opts = dict(dock_options or {})
+        if cfg.dock.backend == "ray" and cfg.dock.ray_address:
+            opts.setdefault("ray_address", cfg.dock.ray_address)
+        elif cfg.dock.backend == "ray":  # no Ray running: a small loopback one (the dock starts it)
+            opts.setdefault("ray_init", LOOPBACK_RAY)
+        self.dock = make_dock(
+            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
+        )
+        work = {
+            "rollout": self._rollout,
+            "reference": self._reference,
+            "rule_reward": self._rule_reward,
+            "adv": self._adv,
+            "old_log_p": self._old_log_p,
+            "update": self._update,
+        }
+        self.runner = StageRunner(self.dock, self.stages, work, deadline_s=float(cfg.trainer.step_timeout_s))
+        self.step_index = 0
+        self._swap: Any = None
+        self._gen = torch.Generator()
+        self._upd_metrics: dict[str, float] = {}
+        self._tokens = 0
+
+    # ---- stage work ----------------------------------------------------------------------------------
+
+    def _rollout(self, batch: Any) -> dict[str, Any]:
+        prompts = [torch.as_tensor(np.asarray(p)) for p in batch["prompts"]]
+        r = self.cfg.rollout
+        toks, lps = self.sampler.generate(
+            prompts,
+            int(r.max_response_length),
+            self.tok.eos_id,
+            self.tok.pad_id,
+            self.temperature,
+            float(r.top_p),
+            self._gen,
+        )
+        return {"responses": _ragged_out(toks, np.int64), "rollout_log_prob": _ragged_out(lps, np.float32)}
+
+    def _logp_of(self, engine: Any, batch: Any) -> list[np.ndarray]:
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        with torch.no_grad():
+            lp, _ = response_log_probs(engine, pk, slice(None), self.temperature)
+        lens = pk.mask.sum(1).long().tolist()
+        return [lp[i, :n].numpy().astype(np.float32) for i, n in enumerate(lens)]
+
+    def _reference(self, batch: Any) -> dict[str, Any]:
+        return {"ref_log_prob": self._logp_of(self.ref_engine, batch)}
+
+    def _old_log_p(self, batch: Any) -> dict[str, Any]:
+        return {"old_log_prob": self._logp_of(self.engine, batch)}
+
+    def _rule_reward(self, batch: Any) -> dict[str, Any]:
+        scores = []
+        for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
+            rec = self.records[i]
+            scores.append(self._score(self.reward_fn, rec["prompt"], self.tok.decode(r), rec["answer"]))
+        return {"scores": np.asarray(scores, dtype=np.float32)}
+
+    def _adv(self, batch: Any) -> dict[str, Any]:
+        rows = np.asarray(batch.rows)
+        order = np.argsort(rows, kind="stable")  # a group's rows are consecutive row ids
+        scores = torch.as_tensor(np.asarray(batch["scores"])[order])
+        adv = A.grpo_advantages(scores, self.n, bool(self.cfg.algorithm.norm_adv_by_std)).numpy()
+        out = np.empty_like(adv)
+        out[order] = adv
+        return {"advantages": out.astype(np.float32)}
+
+    def _update(self, batch: Any) -> None:
+        a = self.cfg.actor
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        R = pk.mask.shape[1]
+        adv = torch.as_tensor(np.asarray(batch["advantages"]))
+        rollout_lp = padded(batch["rollout_log_prob"], R)
+        ref_lp = padded(batch["ref_log_prob"], R) if self.use_reference else None
+        old_lp = None if self.on_policy else padded(batch["old_log_prob"], R)
+        order = A.mini_batches(len(adv), self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
+        micro = int(a.micro_batch_size)
+        sums: dict[str, list[float]] = {}
+        first_old = torch.zeros_like(rollout_lp)
+        for mb_i, mb in enumerate(order):
+            self.engine.zero_grad()
+            mbt = torch.as_tensor(mb)
+            ntok, nseq = float(pk.mask[mbt].sum()), float(len(mb))
+            acc: dict[str, float] = {}
+            for s in range(0, len(mb), micro):
+                rows = mbt[s : s + micro]
+                lp, ent = response_log_probs(self.engine, pk, rows, self.temperature, entropy=True)
+                if old_lp is None:  # exactly on-policy: this forward (before any optimizer step) is the old
+                    old = lp.detach()
+                    if mb_i == 0:
+                        first_old[rows] = old
+                else:
+                    old = old_lp[rows]
+                loss, m = A.actor_loss(
+                    lp,
+                    old,
+                    None if ref_lp is None else ref_lp[rows],
+                    adv[rows],
+                    pk.mask[rows],
+                    ent,
+                    clip_ratio_low=float(a.clip_ratio_low),
+                    clip_ratio_high=float(a.clip_ratio_high),
+                    kl_loss_coef=float(a.kl_loss_coef),
+                    kl_loss_type=str(a.kl_loss_type),
+                    entropy_coeff=float(a.entropy_coeff),
+                    loss_agg_mode=str(a.loss_agg_mode),
+                    num_tokens=ntok,
+                    num_seqs=nseq,
+                )
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite actor loss {float(loss)} at step {self.step_index}")
+                loss.backward()
+                for k, v in m.items():  # micro-batch shares: they sum to the mini-batch's value
+                    acc[k] = acc.get(k, 0.0) + v
+            acc["actor/grad_norm"] = self.engine.clip_and_step(float(a.clip_grad))
+            for k, v in acc.items():
+                sums.setdefault(k, []).append(v)
+        trainer_lp = first_old if old_lp is None else old_lp
+        d = (trainer_lp - rollout_lp).abs()[pk.mask.bool()]
+        self._upd_metrics = {k: float(np.mean(v)) for k, v in sums.items()}
+        self._upd_metrics["training/rollout_probs_diff_max"] = float(d.max()) if d.numel() else 0.0
+        self._upd_metrics["training/rollout_probs_diff_mean"] = float(d.mean()) if d.numel() else 0.0
+        self._upd_metrics["response_length/mean"] = float(pk.mask.sum(1).mean())
+        self._tokens = int(pk.mask.sum()) + sum(len(p) for p in batch["prompts"])
+
+    # ---- weights ------------------------------------------------------------------------------------
+
+    def _switch_to_rollout(self, swap: bool) -> Any:
+        return self.engine.switch(self.flat, self.plan, int(self.cfg.reshard.bucket_mb) << 20, swap)
+
+    def _weights_back(self) -> None:
+        self.engine.switch_back()
+
+    def hf_weights(self) -> dict[str, Any]:
+        """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
+        self._switch_to_rollout(swap=False)
+        self.sampler.on_switch()
+        return self.views
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def _step_seed(self) -> int:
+        return int(self.cfg.trainer.seed) * 100_003 + self.step_index
+
+    def step(self, batch_records: list[dict], val_records: list[dict] | None = None) -> dict[str, float]:
+        """One GRPO iteration over ``batch_records`` (each with ``"_row"``, its index in ``records``).
+        With ``val_records``, also scores them with greedy decoding on the rollout weights of this step
+        (the policy before this step's update) as ``val/score/mean``."""
+        t_all = time.perf_counter()
+        self._gen.manual_seed(self._step_seed())
+        clock = StageClock()
+        gate = threading.Event()
+        metrics: dict[str, float] = {}
+        self.dock.reset()
+        # 1. weights -> rollout engine (the training copy swapped out to pinned host memory)
+        t0 = time.perf_counter()
+        self._swap = self._switch_to_rollout(self.swap_enabled)
+        self.sampler.on_switch()  # a live engine (vLLM) loads the switched weights; HF reads the views
+        metrics["timing/resharding_to_infer"] = time.perf_counter() - t0
+        tele = dict(self._swap.telemetry)
+        back_s = [0.0]
+
+        def weights_back() -> None:
+            t = time.perf_counter()
+            self._weights_back()
+            back_s[0] = time.perf_counter() - t
+            gate.set()
+
+        self.runner.on_done["rollout"] = weights_back
+        try:
+            if val_records:
+                t = time.perf_counter()
+                metrics["val/score/mean"] = self.validate(val_records)
+                metrics["timing/val"] = time.perf_counter() - t
+            # 2. prompts in: one group of n rows per prompt
+            prompts = [np.asarray(self.tok.encode(r["prompt"]), np.int64) for r in batch_records]
+            self.dock.put(
+                {
+                    "prompts": [p for p in prompts for _ in range(self.n)],
+                    "index": np.repeat(np.asarray([r["_row"] for r in batch_records], np.int64), self.n),
+                }
+            )
+            # 3. the stage table: rollout -> (reference, rule_reward, adv) streaming; old_log_p, update gated
+            self.runner.run(clock, {"train_weights": gate})
+        finally:
+            self._weights_back()  # on a failure before the rollout finished, the weights come back anyway
+        progress = self.dock.progress()
+        scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
+        total = time.perf_counter() - t_all - metrics.get("timing/val", 0.0)  # the step without validation
+        metrics.update(self._upd_metrics)
+        metrics["grpo/score/mean"] = float(np.mean(scores))
+        metrics["timing/resharding_to_train"] = back_s[0]
+        metrics.update(overlap_timings(clock.intervals(), total))
+        metrics["e2e_tps"] = e2e_tps(self._tokens, total, self.world_size())
+        for k, v in tele.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                metrics[f"reshard/{k}"] = float(v)
+        metrics.update(_dock_metrics(self.dock.stats(), progress, self.runner.counts))
+        self.step_index += 1
+        return metrics
+
+    @torch.no_grad()
+    def validate(self, records: list[dict]) -> float:
+        """Mean reward of greedy responses to ``records`` on the rollout weights (call while they are
+        filled: inside a step, or after :meth:`hf_weights`)."""
+        total = 0.0
+        r = self.cfg.rollout
+        for s in range(0, len(records), 64):
+            chunk = records[s : s + 64]
+            prompts = [torch.as_tensor(self.tok.encode(x["prompt"])) for x in chunk]
+            toks, _ = self.sampler.generate(
+                prompts,
+                int(r.max_response_length),
+                self.tok.eos_id,
+                self.tok.pad_id,
+                1.0,
+                1.0,
+                None,
+                greedy=True,
+            )
+            for x, t in zip(chunk, toks):
+                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t), x["answer"])
+        return total / max(1, len(records))
+
+    def world_size(self) -> int:
+        p = self.engine.parallel
+        return p.tp * p.pp * p.ep
+
+    # ---- checkpoint state ------------------------------------------------------------------------------
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.engine.optimizer_state()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.engine.load_optimizer_state(state)
+
+
+#: ``ray.init`` arguments of the loopback Ray started when ``dock.backend=ray`` and no address is given.
+LOOPBACK_RAY = {
+    "include_dashboard": False,
+    "_node_ip_address": "127.0.0.1",
+    "object_store_memory": 256 << 20,
+    "log_to_driver": False,
+}
+
+
+def _dock_metrics(
+    stats: dict[str, Any], progress: dict[str, dict[str, int]], counts: dict[str, int]
+) -> dict[str, float]:
+    """The same ``dock/*`` keys on every backend: client-side latencies of put/claim/fetch (the dock's
+    own figures), the operations this step issued (counted by the trainer) and rows consumed per stage."""
+    out: dict[str, float] = {}
+    for op in ("put", "claim", "fetch"):
+        d = stats.get("ops", {}).get(op, {})
+        for k in ("p50_us", "p99_us"):
+            v = d.get(k)
+            if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                out[f"dock/{op}_{k}"] = float(v)
+        out[f"dock/{op}_count"] = float(counts.get(op, 0))
+    for stage, p in progress.items():
+        out[f"dock/consumed_{stage}"] = float(p.get("consumed_rows", 0))
+    return out

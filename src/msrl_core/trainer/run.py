@@ -1,0 +1,273 @@
+"""``msrl train``: validate the config, build the engines, run the steps, keep metrics, checkpoints and
+the report. Errors are clear messages (:class:`RunError` and the config/data/reward errors); Ctrl-C stops
+after the current step, keeping the metrics and saving a last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from msrl_core.trainer import checkpoint as ckpt
+from msrl_core.trainer.config import model_config, save_config, validate
+from msrl_core.trainer.data import PromptLoader, load_prompts, split
+from msrl_core.trainer.errors import ConfigError, DataError
+from msrl_core.trainer.reward import load_reward_fn, score
+from msrl_core.trainer.task import CharTokenizer
+
+#: Exit code of a run stopped by Ctrl-C (the shell's 128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps_done: int
+    interrupted: bool
+    final_checkpoint: Path | None
+    rows: list[dict[str, Any]]
+
+
+def build_engine(cfg: Any, seed: int) -> Any:
+    """The training engine of ``actor.engine`` (``hf``: transformers, TP 1; ``megatron``: megatron-core)."""
+    mc = model_config(cfg)
+    m = cfg.model
+    if cfg.actor.engine == "hf":
+        from msrl_core.trainer.engines.hf import HFTrainEngine
+
+        return HFTrainEngine(mc, float(m.rope_theta), int(m.max_position_embeddings), seed=seed)
+    from msrl_core.trainer.engines.megatron import MegatronTrainEngine
+
+    return MegatronTrainEngine(cfg, mc, seed=seed)
+
+
+def sampler_factory(cfg: Any) -> Callable[[dict[str, Any]], Any]:
+    """The rollout engine of ``rollout.engine`` over the HF-layout views that ``allgather_swap`` fills."""
+    mc = model_config(cfg)
+    m = cfg.model
+    if cfg.rollout.engine == "vllm":
+        from msrl_core.trainer.engines.vllm_rollout import VLLMSampler, check_available
+
+        check_available()  # before any engine is built
+        model_dir = Path(cfg.trainer.output_dir) / "vllm_model"
+        return lambda views: VLLMSampler(cfg, mc, views, model_dir, int(cfg.trainer.seed))
+    from msrl_core.trainer.engines.hf import HFSampler
+
+    return lambda views: HFSampler(mc, float(m.rope_theta), int(m.max_position_embeddings), views)
+
+
+def load_data(cfg: Any) -> tuple[list[dict], list[dict]]:
+    d = cfg.data
+    records = load_prompts(d.train_files, d.prompt_key, d.answer_key)
+    if d.val_files:
+        train, val = records, load_prompts(d.val_files, d.prompt_key, d.answer_key)
+    elif float(d.val_fraction) > 0:
+        train, val = split(records, float(d.val_fraction), int(d.seed))
+    else:
+        train, val = records, []
+    return [dict(r, _row=i) for i, r in enumerate(train)], val
+
+
+def check_tokenizable(tok: CharTokenizer, cfg: Any, records: list[dict], what: str) -> None:
+    """Every prompt encodes and fits ``rollout.max_prompt_length`` (the message names the record)."""
+    limit = int(cfg.rollout.max_prompt_length)
+    for r in records:
+        where = f"{what} record {r.get('index', '?')} (prompt {str(r['prompt'])[:40]!r})"
+        try:
+            n = len(tok.encode(str(r["prompt"])))
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
+        if n > limit:
+            raise DataError(f"{where}: {n} tokens exceed rollout.max_prompt_length={limit}")
+
+
+class _StopFlag:
+    """SIGINT during a run: the first stops after the current step; a second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self._old: Any = None
+
+    def __enter__(self) -> _StopFlag:
+        if threading_main():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.set:
+            raise KeyboardInterrupt
+        self.set = True
+        print(
+            "\nmsrl: Ctrl-C: stopping after this step (again to interrupt now)", file=sys.stderr, flush=True
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _line(step: int, m: dict[str, Any]) -> str:
+    def f(k: str, fmt: str = "{:.3f}") -> str:
+        v = m.get(k)
+        return "-" if v is None else fmt.format(v)
+
+    val = f" val {f('val/score/mean')}" if "val/score/mean" in m else ""
+    return (
+        f"step {step:4d} | score {f('grpo/score/mean')}{val} | len {f('response_length/mean', '{:.2f}')} | "
+        f"pg {f('actor/pg_loss', '{:+.4f}')} kl {f('actor/kl_loss', '{:.4f}')} "
+        f"ent {f('actor/entropy')} | diff {f('training/rollout_probs_diff_max', '{:.1e}')} | "
+        f"{f('timing/all', '{:.2f}')}s {f('e2e_tps', '{:.0f}')} tok/s"
+    )
+
+
+def train(
+    cfg: Any,
+    *,
+    before_training: Callable[[Any, CharTokenizer, list[dict]], None] | None = None,
+    swap: bool | None = None,
+    dock_options: dict[str, Any] | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> RunResult:
+    """Run ``cfg`` (a loaded config) to ``trainer.steps``. ``before_training(engine, tokenizer, records)``
+    runs once on a fresh (not resumed) run, e.g. the demo's format warm-up."""
+    from msrl_core.trainer.grpo import GRPOTrainer
+    from msrl_core.trainer.metrics import MetricsWriter, read_metrics
+    from msrl_core.trainer.report import plot, summary_table
+
+    validate(cfg)
+    run_dir = Path(cfg.trainer.output_dir)
+    log("resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
+    save_config(cfg, run_dir)
+    log(f"run directory: {run_dir}")
+    train_records, val_records = load_data(cfg)
+    tok = CharTokenizer()
+    if int(cfg.model.vocab_size) < tok.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens"
+        )
+    check_tokenizable(tok, cfg, train_records, "training")
+    check_tokenizable(tok, cfg, val_records, "validation")
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    make_sampler = sampler_factory(cfg)  # a missing rollout engine fails here, before any model is built
+    from msrl_core.trainer.engines import select_device
+
+    device = select_device(cfg.trainer.device)
+    if device != "cpu":
+        raise ConfigError(
+            f"trainer.device={cfg.trainer.device!r} resolves to {device!r}: this build runs the trainer's "
+            "engines on the CPU only (its GPU/NPU path is not built yet); set trainer.device=cpu"
+        )
+    seed = int(cfg.trainer.seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    resume_from = ckpt.resolve(run_dir, cfg.trainer.resume)
+    if resume_from is not None and int(cfg.actor.tp) > 1:
+        raise ConfigError("trainer.resume with actor.tp > 1 is not supported by this build; resume with tp=1")
+    engine = build_engine(cfg, seed)
+    rank = engine.rank if hasattr(engine, "rank") else 0
+    if resume_from is None and before_training is not None:
+        before_training(engine, tok, train_records)
+    loader = PromptLoader(train_records, int(cfg.data.global_batch_size), int(cfg.data.seed))
+    trainer = GRPOTrainer(
+        cfg,
+        tok,
+        train_records,
+        reward_fn,
+        score,
+        engine,
+        make_sampler,
+        swap=swap,
+        dock_options=dock_options,
+    )
+    start = 0
+    if resume_from is not None:
+        state, opt, tstate = ckpt.load(resume_from, rank)
+        engine.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("policy/")})
+        if trainer.ref_engine is not None:
+            trainer.ref_engine.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("ref/")})
+        trainer.load_optimizer_state(opt)
+        loader.load_state_dict(tstate["loader"])
+        start = trainer.step_index = int(tstate["step"])
+        log(f"resumed from {resume_from} at step {start}")
+
+    def save(step: int) -> Path:
+        tensors = {f"policy/{k}": v for k, v in engine.state_dict().items()}
+        if trainer.ref_engine is not None:
+            tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
+        engine.save_followers(step)
+        hf = (trainer.hf_weights(), trainer.sampler.model.config) if rank == 0 else None
+        state = {"step": step, "loader": loader.state_dict(), "time": time.time()} if rank == 0 else None
+        return ckpt.save(run_dir, step, rank, tensors, trainer.optimizer_state(), state, hf)
+
+    steps = int(cfg.trainer.steps)
+    val_every = int(cfg.trainer.val_every)
+    save_every = int(cfg.trainer.save_every)
+    last_ckpt: Path | None = resume_from
+    interrupted = False
+    done = start
+    if start == 0 and (run_dir / "metrics.jsonl").exists():
+        log(f"fresh run in {run_dir}: the previous metrics.jsonl is replaced")
+    writer = MetricsWriter(run_dir, tensorboard=bool(cfg.trainer.tensorboard), resume_step=start)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, initial=start, desc="GRPO", unit="step", dynamic_ncols=True, file=sys.stderr)
+    say = bar.write if bar is not None else log
+    try:
+        with _StopFlag() as stop:
+            for step in range(start, steps):
+                batch = next(loader)
+                val = val_records if val_records and val_every and step % val_every == 0 else None
+                m = trainer.step(batch, val)
+                writer.write(step, m)
+                done = step + 1
+                say(_line(step, m))
+                if bar is not None:
+                    bar.update(1)
+                if save_every and done % save_every == 0 and done < steps:
+                    last_ckpt = save(done)
+                if stop.set:
+                    interrupted = True
+                    break
+            # the final policy: validation after the last update, and its checkpoint
+            if val_records and val_every and not interrupted:
+                trainer.hf_weights()
+                v = trainer.validate(val_records)
+                writer.write(done, {"val/score/mean": v})
+                say(f"step {done:4d} | val {v:.3f} (final policy)")
+            if done > start or last_ckpt is None:
+                last_ckpt = save(done)
+            say(f"checkpoint (Hugging Face safetensors + training state): {last_ckpt}")
+    finally:
+        writer.close()
+        if bar is not None:
+            bar.close()
+        engine.close()
+    rows = read_metrics(run_dir)
+    if rows:
+        log(summary_table(rows))
+        for p in plot(run_dir):
+            log(f"wrote {p}")
+    return RunResult(run_dir, done, interrupted, last_ckpt, rows)
+
+
+def default_output_dir(base: str) -> str:
+    return os.path.join(base, time.strftime("%Y%m%d-%H%M%S"))
