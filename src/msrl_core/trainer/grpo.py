@@ -29,7 +29,7 @@ from msrl_core.reshard import to_hf
 from msrl_core.trainer import algorithm as A
 from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
 from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
-from msrl_core.trainer.stages import StageRunner, grpo_stages, make_dock
+from msrl_core.trainer.stages import StageRunner, Work, grpo_stages, make_dock
 
 
 @dataclass
@@ -83,6 +83,51 @@ def response_log_probs(
 
 def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
     return [v.detach().numpy().astype(dtype) for v in values]
+
+
+class RewardWork:
+    """The rule_reward stage: scores each row's decoded response with the reward function against its
+    record's answer. Picklable, so a Ray stage actor can run it: only ``(prompt, answer)`` of the records
+    travel, and the reward function is imported again from ``spec`` (``reward.fn``) inside the actor."""
+
+    def __init__(self, records: list[dict], tokenizer: Any, fn: Any, score: Any, spec: str | None) -> None:
+        self.items = [(r["prompt"], r["answer"]) for r in records]
+        self.tok, self.fn, self.score, self.spec = tokenizer, fn, score, spec
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        scores = []
+        for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
+            prompt, answer = self.items[i]
+            scores.append(self.score(self.fn, prompt, self.tok.decode(r), answer))
+        return {"scores": np.asarray(scores, dtype=np.float32)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.spec is None:
+            raise TypeError("a RewardWork without reward.fn cannot be sent to another process")
+        return {k: v for k, v in self.__dict__.items() if k != "fn"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from msrl_core.trainer.reward import load_reward_fn
+
+        self.__dict__.update(state)
+        self.fn = load_reward_fn(state["spec"])
+
+
+class AdvWork:
+    """The adv stage: group-normalised GRPO advantages of whole groups (a group's rows are consecutive
+    row ids, so sorting by row id lines the groups up)."""
+
+    def __init__(self, n: int, norm_by_std: bool) -> None:
+        self.n, self.norm_by_std = n, norm_by_std
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        rows = np.asarray(batch.rows)
+        order = np.argsort(rows, kind="stable")
+        scores = torch.as_tensor(np.asarray(batch["scores"])[order])
+        adv = A.grpo_advantages(scores, self.n, self.norm_by_std).numpy()
+        out = np.empty_like(adv)
+        out[order] = adv
+        return {"advantages": out.astype(np.float32)}
 
 
 class GRPOTrainer:
@@ -140,15 +185,21 @@ class GRPOTrainer:
         self.dock = make_dock(
             self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
         )
-        work = {
+        work: dict[str, Work] = {
             "rollout": self._rollout,
             "reference": self._reference,
-            "rule_reward": self._rule_reward,
-            "adv": self._adv,
+            "rule_reward": RewardWork(records, tokenizer, reward_fn, score, getattr(cfg.reward, "fn", None)),
+            "adv": AdvWork(self.n, bool(cfg.algorithm.norm_adv_by_std)),
             "old_log_p": self._old_log_p,
             "update": self._update,
         }
-        self.runner = StageRunner(self.dock, self.stages, work, deadline_s=float(cfg.trainer.step_timeout_s))
+        self.runner = StageRunner(
+            self.dock,
+            self.stages,
+            work,
+            deadline_s=float(cfg.trainer.step_timeout_s),
+            remote=cfg.dock.backend == "ray",
+        )
         self.step_index = 0
         self._swap: Any = None
         self._gen = torch.Generator()
@@ -183,22 +234,6 @@ class GRPOTrainer:
 
     def _old_log_p(self, batch: Any) -> dict[str, Any]:
         return {"old_log_prob": self._logp_of(self.engine, batch)}
-
-    def _rule_reward(self, batch: Any) -> dict[str, Any]:
-        scores = []
-        for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
-            rec = self.records[i]
-            scores.append(self._score(self.reward_fn, rec["prompt"], self.tok.decode(r), rec["answer"]))
-        return {"scores": np.asarray(scores, dtype=np.float32)}
-
-    def _adv(self, batch: Any) -> dict[str, Any]:
-        rows = np.asarray(batch.rows)
-        order = np.argsort(rows, kind="stable")  # a group's rows are consecutive row ids
-        scores = torch.as_tensor(np.asarray(batch["scores"])[order])
-        adv = A.grpo_advantages(scores, self.n, bool(self.cfg.algorithm.norm_adv_by_std)).numpy()
-        out = np.empty_like(adv)
-        out[order] = adv
-        return {"advantages": out.astype(np.float32)}
 
     def _update(self, batch: Any) -> None:
         a = self.cfg.actor
@@ -356,6 +391,11 @@ class GRPOTrainer:
             for x, t in zip(chunk, toks):
                 total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t), x["answer"])
         return total / max(1, len(records))
+
+    def close(self) -> None:
+        """End the stage actors and the dock (its Ray actors with ``dock.backend=ray``)."""
+        self.runner.close()
+        self.dock.shutdown()
 
     def world_size(self) -> int:
         p = self.engine.parallel

@@ -260,6 +260,7 @@ def train(
         writer.close()
         if bar is not None:
             bar.close()
+        trainer.close()
         engine.close()
     rows = read_metrics(run_dir)
     if rows:

@@ -4,9 +4,17 @@
 Every stage of a GRPO iteration is a row of :func:`grpo_stages`: the columns it reads (its dock
 controller's readiness condition), the columns it writes, how many rows it claims at a time and the gate
 it waits for (``train_weights``: the training weights are swapped back in). :class:`StageRunner` starts
-one worker thread per stage; a worker claims as soon as its first rows are ready, so reference and reward
+one worker per stage; a worker claims as soon as its first rows are ready, so reference and reward
 score the rollout's groups while the rollout still samples the next ones. Each stage consumes every row of
 the iteration exactly once (the dock's guarantee; ``progress()`` counts it).
+
+Placement is a column of the table too: ``"trainer"`` stages need the training process's models
+(rollout, reference, old_log_p, update) and run as threads beside their engines, colocated as
+MindSpeed-RL colocates actor, reference and rollout in one worker group; ``"actor"`` stages (rule_reward,
+adv) need no model: with a Ray dock they run as Ray actors with a fractional CPU
+(:data:`ACTOR_NUM_CPUS`) that claim, fetch and put through the same dock; with a local dock they are
+threads too. Their work must then be a picklable callable (the reward function is imported again inside
+the actor, see :class:`msrl_core.trainer.grpo.RewardWork`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,13 @@ class StageSpec:
     writes: tuple[str, ...]
     rows_per_claim: int  # rows claimed at a time (whole groups); the full batch for the update
     gate: str | None = None  # an event the worker waits for before its first claim
+    placement: str = "trainer"  # "trainer": a thread beside the engines; "actor": a Ray actor (Ray dock)
+
+
+#: Where a stage may run: beside the training process's engines, or anywhere (a Ray actor).
+PLACEMENTS = ("trainer", "actor")
+#: CPUs a Ray stage actor asks for (fractional: a few stage actors share one core with the trainer).
+ACTOR_NUM_CPUS = 0.25
 
 
 #: Columns of the GRPO dock. Ragged columns hold one variable-length row per sample.
@@ -67,8 +82,10 @@ def grpo_stages(
     if use_reference:
         table.append(StageSpec("reference", ("prompts", "responses"), ("ref_log_prob",), chunk))
         upd_reads.append("ref_log_prob")
-    table.append(StageSpec("rule_reward", ("prompts", "responses", "index"), ("scores",), chunk))
-    table.append(StageSpec("adv", ("scores",), ("advantages",), chunk))
+    table.append(
+        StageSpec("rule_reward", ("prompts", "responses", "index"), ("scores",), chunk, placement="actor")
+    )
+    table.append(StageSpec("adv", ("scores",), ("advantages",), chunk, placement="actor"))
     if recompute_old:
         table.append(
             StageSpec("old_log_p", ("prompts", "responses"), ("old_log_prob",), chunk, gate="train_weights")
@@ -91,21 +108,82 @@ def make_dock(stages: list[StageSpec], batch_rows: int, group_size: int, warehou
 
 
 Work = Callable[[Any], "Mapping[str, Any] | None"]
+Record = Callable[[str, float, float], None]
+
+
+def work_loop(
+    dock: Dock,
+    spec: StageSpec,
+    work: Work,
+    record: Record,
+    count: Callable[[str], None],
+    check: Callable[[], None],
+) -> None:
+    """One stage's iteration: claim whole groups as they become ready, fetch what it reads, run ``work``,
+    put what it writes, until it has consumed every row. ``check()`` raises to stop (deadline, another
+    stage failed); the same loop runs in a driver thread and inside a Ray stage actor."""
+    total, done = dock.capacity, 0
+    while done < total:
+        check()
+        want = min(spec.rows_per_claim, total - done)
+        try:
+            meta = dock.claim(spec.name, max_rows=want, timeout=0.1, min_rows=want)
+        except Timeout:
+            continue
+        t0 = time.perf_counter()
+        count("claim")
+        batch = dock.fetch(meta, list(spec.reads))
+        count("fetch")
+        out = work(batch)
+        if spec.writes:
+            if out is None:
+                raise RuntimeError(f"stage {spec.name} returned nothing; it must write {spec.writes}")
+            dock.put(dict(out), rows=meta)
+            count("put")
+        record(spec.name, t0, time.perf_counter())
+        done += len(meta)
 
 
 class StageRunner:
-    """Runs one iteration: one worker thread per stage over the dock; every wait has a deadline."""
+    """Runs one iteration: one worker per stage over the dock; every wait has a deadline.
+
+    ``remote=True`` (a Ray dock): the stages placed ``"actor"`` run as Ray actors with
+    :data:`ACTOR_NUM_CPUS` CPUs each, created once here and reused every iteration (their work functions
+    must be picklable); the others are threads of this process. Call :meth:`close` to end the actors.
+    """
 
     def __init__(
-        self, dock: Dock, stages: list[StageSpec], work: Mapping[str, Work], deadline_s: float
+        self,
+        dock: Dock,
+        stages: list[StageSpec],
+        work: Mapping[str, Work],
+        deadline_s: float,
+        remote: bool = False,
     ) -> None:
         missing = [s.name for s in stages if s.name not in work]
         if missing:
             raise ValueError(f"no work function for stages {missing}")
+        bad = [(s.name, s.placement) for s in stages if s.placement not in PLACEMENTS]
+        if bad:
+            raise ValueError(f"stage placements {bad} are not among {PLACEMENTS}")
         self.dock, self.stages, self.work, self.deadline_s = dock, stages, work, deadline_s
         self.counts: dict[str, int] = {}  # dock operations of the last run() (the trainer's own count)
         self._count_lock = threading.Lock()
         self.on_done: dict[str, Callable[[], None]] = {}
+        self.actors: dict[str, Any] = {}
+        if remote:
+            self.actors = {
+                s.name: _start_actor(dock, s, work[s.name]) for s in stages if s.placement == "actor"
+            }
+
+    def close(self) -> None:
+        """End the stage actors (if any). Calling it again does nothing."""
+        if self.actors:
+            import ray
+
+            for a in self.actors.values():
+                ray.kill(a)
+            self.actors = {}
 
     def run(self, clock: StageClock, gates: Mapping[str, threading.Event]) -> None:
         """Start every stage, wait for all; the first failure stops the others and is raised as
@@ -117,7 +195,18 @@ class StageRunner:
 
         def worker(spec: StageSpec) -> None:
             try:
-                self._work_loop(spec, clock, gates, stop, deadline)
+                if spec.gate is not None:
+                    ev = gates[spec.gate]
+                    while not ev.wait(timeout=0.05):
+                        self._check(spec, stop, deadline)
+                work_loop(
+                    self.dock,
+                    spec,
+                    self.work[spec.name],
+                    clock.add,
+                    self._count,
+                    lambda: self._check(spec, stop, deadline),
+                )
                 hook = self.on_done.get(spec.name)
                 if hook is not None:
                     hook()
@@ -128,54 +217,54 @@ class StageRunner:
         threads = [
             threading.Thread(target=worker, args=(s,), name=f"msrl-stage-{s.name}", daemon=True)
             for s in self.stages
+            if s.name not in self.actors
         ]
+        pending = {a.run.remote(self.deadline_s): name for name, a in self.actors.items()}
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(timeout=0.2)
-                if time.monotonic() > deadline + 5.0:
-                    stop.set()
-                    raise StageError(t.name.removeprefix("msrl-stage-"), TimeoutError("stage hung"))
+        stopped_actors = False
+        while pending or any(t.is_alive() for t in threads):
+            if pending:
+                self._poll_actors(pending, clock, errors, stop)
+            else:
+                next(t for t in threads if t.is_alive()).join(timeout=0.2)
+            if stop.is_set() and pending and not stopped_actors:
+                for name in pending.values():
+                    self.actors[name].stop.remote()
+                stopped_actors = True
+            if time.monotonic() > deadline + 5.0:
+                stop.set()
+                late = [t.name.removeprefix("msrl-stage-") for t in threads if t.is_alive()]
+                raise StageError(([*pending.values(), *late] or ["?"])[0], TimeoutError("stage hung"))
         if errors:
             raise errors[0] from errors[0].error
 
-    def _work_loop(
-        self,
-        spec: StageSpec,
-        clock: StageClock,
-        gates: Mapping[str, threading.Event],
-        stop: threading.Event,
-        deadline: float,
+    def _poll_actors(
+        self, pending: dict[Any, str], clock: StageClock, errors: list[StageError], stop: threading.Event
     ) -> None:
-        if spec.gate is not None:
-            ev = gates[spec.gate]
-            while not ev.wait(timeout=0.05):
-                self._check(spec, stop, deadline)
-        total, done = self.dock.capacity, 0
-        work = self.work[spec.name]
-        while done < total:
-            self._check(spec, stop, deadline)
-            want = min(spec.rows_per_claim, total - done)
-            try:
-                meta = self.dock.claim(spec.name, max_rows=want, timeout=0.1, min_rows=want)
-            except Timeout:
-                continue
-            t0 = time.perf_counter()
-            self._count("claim")
-            batch = self.dock.fetch(meta, list(spec.reads))
-            self._count("fetch")
-            out = work(batch)
-            if spec.writes:
-                assert out is not None, f"stage {spec.name} must write {spec.writes}"
-                self.dock.put(dict(out), rows=meta)
-                self._count("put")
-            clock.add(spec.name, t0, time.perf_counter())
-            done += len(meta)
+        import ray
 
-    def _count(self, op: str) -> None:
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)
+        for ref in ready:
+            name = pending.pop(ref)
+            try:
+                out = ray.get(ref)
+            except Exception as e:  # the actor died (killed, out of memory): its work is lost
+                errors.append(StageError(name, RuntimeError(f"the Ray actor of stage '{name}' died: {e}")))
+                stop.set()
+                continue
+            if "error" in out:
+                errors.append(StageError(name, out["error"], out["tb"]))
+                stop.set()
+                continue
+            for start, end in out["spans"]:
+                clock.add(name, start, end)
+            for op, n in out["counts"].items():
+                self._count(op, n)
+
+    def _count(self, op: str, n: int = 1) -> None:
         with self._count_lock:
-            self.counts[op] = self.counts.get(op, 0) + 1
+            self.counts[op] = self.counts.get(op, 0) + n
 
     def _check(self, spec: StageSpec, stop: threading.Event, deadline: float) -> None:
         if stop.is_set():
@@ -189,3 +278,61 @@ class StageRunner:
 
 class _Stopped(RuntimeError):
     pass
+
+
+class StageActor:
+    """A stage as a Ray actor: :func:`work_loop` over its own handle of the (Ray) dock. ``run`` returns
+    the busy intervals and operation counts of the iteration, or the error it raised (so the driver
+    re-raises the same exception the thread path raises); ``stop`` ends a running ``run`` early."""
+
+    def __init__(self, dock: Dock, spec: StageSpec, work: Work) -> None:
+        self.dock, self.spec, self.work = dock, spec, work
+        self._stop = threading.Event()
+
+    def run(self, deadline_s: float) -> dict[str, Any]:
+        self._stop.clear()
+        deadline = time.monotonic() + deadline_s
+        spans: list[tuple[float, float]] = []
+        counts: dict[str, int] = {}
+
+        def check() -> None:
+            if self._stop.is_set():
+                raise _Stopped(self.spec.name)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stage '{self.spec.name}' did not finish within {deadline_s:.0f} s")
+
+        def count(op: str) -> None:
+            counts[op] = counts.get(op, 0) + 1
+
+        try:
+            work_loop(self.dock, self.spec, self.work, lambda _, a, b: spans.append((a, b)), count, check)
+        except _Stopped:
+            pass
+        except BaseException as e:
+            return {"error": _portable(e), "tb": traceback.format_exc()}
+        return {"spans": spans, "counts": counts}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` itself when it survives pickling (the driver then raises the same type), else a
+    RuntimeError with its type and message."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _start_actor(dock: Dock, spec: StageSpec, work: Work) -> Any:
+    import ray
+
+    # max_concurrency=2: stop() is served while run() works
+    cls = ray.remote(StageActor).options(
+        num_cpus=ACTOR_NUM_CPUS, max_concurrency=2, name=None, max_restarts=0
+    )
+    return cls.remote(dock, spec, work)
