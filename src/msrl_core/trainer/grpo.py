@@ -42,6 +42,9 @@ class Packed:
     responses: torch.Tensor
     mask: torch.Tensor
 
+    def to(self, device: Any) -> Packed:
+        return Packed(*(t.to(device) for t in (self.tokens, self.pos, self.responses, self.mask)))
+
 
 def pack(prompts: Any, responses: Any, pad_id: int) -> Packed:
     ps = [torch.as_tensor(np.asarray(p)) for p in prompts]
@@ -74,7 +77,7 @@ def response_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``rows`` under ``engine`` at ``temperature``."""
     L = int(pk.pos[rows].max()) + 2
-    logits = engine.logits(pk.tokens[rows, :L])
+    logits = engine.logits(pk.tokens[rows, :L])  # pk is on the engine's device
     V = logits.shape[-1]
     at = torch.gather(logits, 1, pk.pos[rows].unsqueeze(-1).expand(-1, -1, V)) / temperature
     lp = A.log_probs_from_logits(at, pk.responses[rows])
@@ -82,7 +85,7 @@ def response_log_probs(
 
 
 def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
-    return [v.detach().numpy().astype(dtype) for v in values]
+    return [v.detach().cpu().numpy().astype(dtype) for v in values]
 
 
 class RewardWork:
@@ -167,8 +170,9 @@ class GRPOTrainer:
         self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
         self.engine.init_optimizer(float(a.lr), float(a.weight_decay))
         # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
+        self.device = train_engine.device  # a torch.device: the engines' tensors live there
         self.plan = to_hf(self.engine.model_config, self.engine.parallel)
-        self.flat, self.views = self.plan.allocate_inference()
+        self.flat, self.views = self.plan.allocate_inference(device=self.device)
         self.sampler = sampler_factory(self.views)
         self.stages = grpo_stages(
             self.batch_rows,
@@ -202,7 +206,7 @@ class GRPOTrainer:
         )
         self.step_index = 0
         self._swap: Any = None
-        self._gen = torch.Generator()
+        self._gen = torch.Generator(device=self.device)
         self._upd_metrics: dict[str, float] = {}
         self._tokens = 0
 
@@ -223,11 +227,11 @@ class GRPOTrainer:
         return {"responses": _ragged_out(toks, np.int64), "rollout_log_prob": _ragged_out(lps, np.float32)}
 
     def _logp_of(self, engine: Any, batch: Any) -> list[np.ndarray]:
-        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(self.device)
         with torch.no_grad():
             lp, _ = response_log_probs(engine, pk, slice(None), self.temperature)
         lens = pk.mask.sum(1).long().tolist()
-        return [lp[i, :n].numpy().astype(np.float32) for i, n in enumerate(lens)]
+        return _ragged_out([lp[i, :n] for i, n in enumerate(lens)], np.float32)
 
     def _reference(self, batch: Any) -> dict[str, Any]:
         return {"ref_log_prob": self._logp_of(self.ref_engine, batch)}
@@ -237,19 +241,20 @@ class GRPOTrainer:
 
     def _update(self, batch: Any) -> None:
         a = self.cfg.actor
-        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id)
+        dev = self.device
+        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(dev)
         R = pk.mask.shape[1]
-        adv = torch.as_tensor(np.asarray(batch["advantages"]))
-        rollout_lp = padded(batch["rollout_log_prob"], R)
-        ref_lp = padded(batch["ref_log_prob"], R) if self.use_reference else None
-        old_lp = None if self.on_policy else padded(batch["old_log_prob"], R)
+        adv = torch.as_tensor(np.asarray(batch["advantages"])).to(dev)
+        rollout_lp = padded(batch["rollout_log_prob"], R).to(dev)
+        ref_lp = padded(batch["ref_log_prob"], R).to(dev) if self.use_reference else None
+        old_lp = None if self.on_policy else padded(batch["old_log_prob"], R).to(dev)
         order = A.mini_batches(len(adv), self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
         micro = int(a.micro_batch_size)
         sums: dict[str, list[float]] = {}
         first_old = torch.zeros_like(rollout_lp)
         for mb_i, mb in enumerate(order):
             self.engine.zero_grad()
-            mbt = torch.as_tensor(mb)
+            mbt = torch.as_tensor(mb, device=dev)
             ntok, nseq = float(pk.mask[mbt].sum()), float(len(mb))
             acc: dict[str, float] = {}
             for s in range(0, len(mb), micro):
@@ -389,7 +394,7 @@ class GRPOTrainer:
                 greedy=True,
             )
             for x, t in zip(chunk, toks):
-                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t), x["answer"])
+                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t.tolist()), x["answer"])
         return total / max(1, len(records))
 
     def close(self) -> None:

@@ -38,20 +38,34 @@ class RunResult:
     rows: list[dict[str, Any]]
 
 
-def build_engine(cfg: Any, seed: int) -> Any:
-    """The training engine of ``actor.engine`` (``hf``: transformers, TP 1; ``megatron``: megatron-core)."""
+def resolve_device(cfg: Any) -> str:
+    """``trainer.device`` resolved on this machine (auto: cuda, then npu, then cpu); an unavailable device
+    is a :class:`ConfigError` naming it and what is available."""
+    from msrl_core.trainer.engines import select_device
+
+    try:
+        return select_device(str(cfg.trainer.device))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_engine(cfg: Any, seed: int, device: str = "cpu") -> Any:
+    """The training engine of ``actor.engine`` (``hf``: transformers, TP 1; ``megatron``: megatron-core)
+    on ``device`` (a resolved ``trainer.device``)."""
     mc = model_config(cfg)
     m = cfg.model
     if cfg.actor.engine == "hf":
         from msrl_core.trainer.engines.hf import HFTrainEngine
 
-        return HFTrainEngine(mc, float(m.rope_theta), int(m.max_position_embeddings), seed=seed)
+        return HFTrainEngine(
+            mc, float(m.rope_theta), int(m.max_position_embeddings), seed=seed, device=device
+        )
     from msrl_core.trainer.engines.megatron import MegatronTrainEngine
 
-    return MegatronTrainEngine(cfg, mc, seed=seed)
+    return MegatronTrainEngine(cfg, mc, seed=seed, device=device)
 
 
-def sampler_factory(cfg: Any) -> Callable[[dict[str, Any]], Any]:
+def sampler_factory(cfg: Any, device: str = "cpu") -> Callable[[dict[str, Any]], Any]:
     """The rollout engine of ``rollout.engine`` over the HF-layout views that ``allgather_swap`` fills."""
     mc = model_config(cfg)
     m = cfg.model
@@ -63,7 +77,7 @@ def sampler_factory(cfg: Any) -> Callable[[dict[str, Any]], Any]:
         return lambda views: VLLMSampler(cfg, mc, views, model_dir, int(cfg.trainer.seed))
     from msrl_core.trainer.engines.hf import HFSampler
 
-    return lambda views: HFSampler(mc, float(m.rope_theta), int(m.max_position_embeddings), views)
+    return lambda views: HFSampler(mc, float(m.rope_theta), int(m.max_position_embeddings), views, device)
 
 
 def load_data(cfg: Any) -> tuple[list[dict], list[dict]]:
@@ -165,22 +179,15 @@ def train(
     check_tokenizable(tok, cfg, train_records, "training")
     check_tokenizable(tok, cfg, val_records, "validation")
     reward_fn = load_reward_fn(cfg.reward.fn)
-    make_sampler = sampler_factory(cfg)  # a missing rollout engine fails here, before any model is built
-    from msrl_core.trainer.engines import select_device
-
-    device = select_device(cfg.trainer.device)
-    if device != "cpu":
-        raise ConfigError(
-            f"trainer.device={cfg.trainer.device!r} resolves to {device!r}: this build runs the trainer's "
-            "engines on the CPU only (its GPU/NPU path is not built yet); set trainer.device=cpu"
-        )
+    device = resolve_device(cfg)  # before any engine is built
+    make_sampler = sampler_factory(cfg, device)  # a missing rollout engine fails here too
     seed = int(cfg.trainer.seed)
     torch.manual_seed(seed)
     np.random.seed(seed % (1 << 32))
     resume_from = ckpt.resolve(run_dir, cfg.trainer.resume)
     if resume_from is not None and int(cfg.actor.tp) > 1:
         raise ConfigError("trainer.resume with actor.tp > 1 is not supported by this build; resume with tp=1")
-    engine = build_engine(cfg, seed)
+    engine = build_engine(cfg, seed, device)
     rank = engine.rank if hasattr(engine, "rank") else 0
     if resume_from is None and before_training is not None:
         before_training(engine, tok, train_records)

@@ -43,6 +43,7 @@ def format_warmup(
         ]
         pk = pack(ps, rs, tokenizer.pad_id)
         logits = engine.logits(pk.tokens)
+        pk = pk.to(logits.device)
         V = logits.shape[-1]
         at = torch.gather(logits, 1, pk.pos.unsqueeze(-1).expand(-1, -1, V))
         lp = log_probs_from_logits(at, pk.responses)

@@ -11,6 +11,11 @@ Training engines (``actor.engine``) hold this rank's weights in the **Megatron l
 
 Rollout engines (``rollout.engine``): ``hf`` (a built-in sampler over the resharded HF-layout weights, the
 CPU default) and ``vllm`` (needs vLLM and the reshard issue's live-engine loader).
+
+Devices (``trainer.device``): :func:`select_device` resolves it, :func:`torch_device` gives a rank its
+``torch.device``, :func:`process_group_backend` the backend of its process groups. The engines' ``device``
+attribute is the ``torch.device`` their tensors live on. The CUDA and NPU paths are written but have not
+run (no accelerator on the machines this was built on).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class TrainEngine(Protocol):
 
     model_config: Any  # msrl_core.reshard.ModelConfig
     parallel: Any  # msrl_core.reshard.Parallel
+    device: Any  # torch.device of this rank's weights and of the logits
     groups: dict[str, Any]  # {"tp", "pp", "ep"} process groups for allgather_swap (None for size 1)
 
     def logits(self, tokens: Any) -> Any:
@@ -67,21 +73,66 @@ class TrainEngine(Protocol):
         """Stop other ranks, if any."""
 
 
-def select_device(requested: str = "auto") -> str:
-    """``cuda`` when a GPU is visible, ``npu`` when torch_npu is installed and sees an NPU, else ``cpu``."""
+#: ``trainer.device`` values; ``auto`` resolves to the first available of :data:`AUTO_ORDER`.
+DEVICES = ("auto", "cpu", "cuda", "npu")
+AUTO_ORDER = ("cuda", "npu", "cpu")
+#: torch.distributed backend of the engines' process groups per device.
+PG_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def npu_available() -> bool:
+    """An Ascend NPU is visible (torch_npu imported only when it is installed)."""
     import importlib.util
 
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch
+    import torch_npu  # noqa: F401  # registers torch.npu
+
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def available_devices() -> list[str]:
+    """The devices this machine can run the engines on, in :data:`AUTO_ORDER` (``cpu`` always)."""
     import torch
 
-    if requested not in ("auto", "cpu", "cuda", "npu"):
-        raise ValueError(f"trainer.device must be auto, cpu, cuda or npu; got {requested!r}")
-    if requested != "auto":
-        return requested
-    if torch.cuda.is_available():
-        return "cuda"
-    if importlib.util.find_spec("torch_npu") is not None:
-        import torch_npu  # noqa: F401
+    found = {"cuda": torch.cuda.is_available(), "npu": npu_available(), "cpu": True}
+    return [d for d in AUTO_ORDER if found[d]]
 
-        if torch.npu.is_available():  # type: ignore[attr-defined]  # registered by torch_npu
-            return "npu"
-    return "cpu"
+
+def select_device(requested: str = "auto", available: list[str] | None = None) -> str:
+    """``trainer.device`` resolved against ``available`` (default: :func:`available_devices`): ``auto`` is
+    cuda, then npu, then cpu; an explicit device that is not available is a ValueError naming it and what
+    is available."""
+    if requested not in DEVICES:
+        raise ValueError(f"trainer.device must be one of {list(DEVICES)}; got {requested!r}")
+    avail = available_devices() if available is None else list(available)
+    if requested == "auto":
+        return next(d for d in AUTO_ORDER if d in avail)
+    if requested not in avail:
+        raise ValueError(
+            f"trainer.device={requested!r} is not available on this machine (available: {avail}); "
+            "use trainer.device=auto or one of those"
+        )
+    return requested
+
+
+def process_group_backend(device: str) -> str:
+    """``gloo`` on the CPU, ``nccl`` on CUDA, ``hccl`` on an NPU."""
+    try:
+        return PG_BACKENDS[device]
+    except KeyError:
+        raise ValueError(
+            f"no process-group backend for device {device!r}; known: {sorted(PG_BACKENDS)}"
+        ) from None
+
+
+def torch_device(device: str, index: int = 0) -> Any:
+    """The ``torch.device`` a rank of ``device`` uses (accelerator ``index``, made current), or the CPU."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    dev = torch.device(device, index)
+    getattr(torch, device).set_device(dev)  # torch.cuda / torch.npu (registered by torch_npu)
+    return dev

@@ -19,10 +19,13 @@ import torch
 import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, to_hf
 from msrl_core.reshard.reference import megatron_to_hf
+from msrl_core.reshard.steps import current_stream
+from msrl_core.trainer.engines import torch_device
 
 
-def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int) -> Any:
-    """A randomly initialised transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3)."""
+def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int, device: Any = "cpu") -> Any:
+    """A transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3) with its parameters on the
+    meta device (every forward supplies them) and its buffers on ``device``."""
     import transformers as tf
 
     c: Any
@@ -50,13 +53,13 @@ def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int) 
         raise ValueError(f"model.arch {cfg.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
     c._attn_implementation = "eager"
     # parameters stay on the meta device (every forward supplies them); buffers (rotary frequencies) are
-    # rebuilt on the CPU by constructing their owning modules there
+    # rebuilt on the device by constructing their owning modules there
     with torch.device("meta"):
         model = cls(c)
     for mod in list(model.modules()):
         metas = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if metas:
-            with torch.device("cpu"):
+            with torch.device(device):
                 fresh = type(mod)(mod.config)
             for n in metas:
                 setattr(mod, n, getattr(fresh, n))
@@ -102,13 +105,18 @@ class HFTrainEngine:
         seed: int,
         params: dict[str, torch.Tensor] | None = None,
         trainable: bool = True,
+        device: str = "cpu",
     ) -> None:
         self.model_config = cfg
         self.parallel = Parallel(tp=1)
         self.groups: dict[str, Any] = {"tp": None, "pp": None, "ep": None}
         self._rope_theta, self._max_positions = rope_theta, max_positions
-        self.model = transformers_model(cfg, rope_theta, max_positions)
-        self.params = params if params is not None else init_megatron_params(cfg, seed)
+        self.device_name = device
+        self.device = torch_device(device)
+        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
+        if params is None:  # initialised on the CPU (the same weights on every device), then moved
+            params = {k: v.to(self.device) for k, v in init_megatron_params(cfg, seed).items()}
+        self.params = params
         for p in self.params.values():
             p.requires_grad_(trainable)
         self.rank = 0
@@ -119,7 +127,7 @@ class HFTrainEngine:
         hf = megatron_to_hf(self.model_config, self.parallel, {(0, 0, 0): self.params})
         if self.model_config.tie_word_embeddings:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        return _functional_logits(self.model, hf, tokens)
+        return _functional_logits(self.model, hf, tokens.to(self.device))
 
     def train_params(self) -> dict[str, torch.Tensor]:
         return self.params
@@ -156,7 +164,7 @@ class HFTrainEngine:
 
     def switch_back(self) -> None:
         if self._swap is not None and self._swap.state != "back":
-            self._swap.swap_back()
+            self._swap.swap_back(stream=current_stream(self.device))
             self._swap.wait()
 
     def save_followers(self, step: int) -> None:
@@ -168,7 +176,13 @@ class HFTrainEngine:
     def frozen_copy(self) -> HFTrainEngine:
         params = {k: v.detach().clone() for k, v in self.params.items()}
         return HFTrainEngine(
-            self.model_config, self._rope_theta, self._max_positions, 0, params=params, trainable=False
+            self.model_config,
+            self._rope_theta,
+            self._max_positions,
+            0,
+            params=params,
+            trainable=False,
+            device=self.device_name,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -188,8 +202,16 @@ class HFSampler:
     ``allgather_swap`` fills. Batched sampling with left padding; returns the log-probs of the sampled
     tokens under the temperature-scaled distribution (what the trainer recomputes)."""
 
-    def __init__(self, cfg: ModelConfig, rope_theta: float, max_positions: int, views: dict[str, Any]):
-        self.model = transformers_model(cfg, rope_theta, max_positions)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rope_theta: float,
+        max_positions: int,
+        views: dict[str, Any],
+        device: str = "cpu",
+    ):
+        self.device = torch_device(device)
+        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
         self.views = dict(views)
         if cfg.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
@@ -217,13 +239,15 @@ class HFSampler:
         the response tokens and their log-probs."""
         B = len(prompts)
         plen = max(len(p) for p in prompts)
+        dev = self.device
         tokens = torch.full((B, plen), pad_id, dtype=torch.int64)
         mask = torch.zeros((B, plen), dtype=torch.int64)
         for i, p in enumerate(prompts):
             tokens[i, plen - len(p) :] = p
             mask[i, plen - len(p) :] = 1
-        done = torch.zeros(B, dtype=torch.bool)
-        lengths = torch.zeros(B, dtype=torch.int64)
+        tokens, mask = tokens.to(dev), mask.to(dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(B, dtype=torch.int64, device=dev)
         out_tok, out_lp = [], []
         for _ in range(max_new):
             pos = (mask.cumsum(1) - 1).clamp(min=0)

@@ -1,5 +1,7 @@
 """The Megatron-core training engine: a ``GPTModel`` (local layer spec) sharded with tensor parallelism over
-torch.distributed (gloo on a CPU, through :mod:`megatron_cpu`).
+torch.distributed on ``trainer.device``: NCCL process groups on CUDA, HCCL on an Ascend NPU (megatron-core
+there needs MindSpeed's adaptor, not part of this package), gloo on a CPU through :mod:`megatron_cpu` (the
+compatibility layer is activated only when the engine runs on the CPU). Rank ``r`` uses accelerator ``r``.
 
 Process model. The trainer (stages, dock, rollout, reward) runs in rank 0. With ``actor.tp = 1`` the
 engine lives in that process (a one-rank gloo group). With ``actor.tp = T > 1`` rank 0 spawns ``T - 1``
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from msrl_core.reshard import ModelConfig, Parallel
+from msrl_core.reshard.steps import current_stream
 from msrl_core.trainer.engines import megatron_cpu
 
 # operation codes of the rank-0 -> follower protocol
@@ -41,7 +44,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(rank: int, world: int, port: int) -> None:
+def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -52,7 +55,7 @@ def init_distributed(rank: int, world: int, port: int) -> None:
             )
         return
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -60,11 +63,15 @@ def init_distributed(rank: int, world: int, port: int) -> None:
     )
 
 
-def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int) -> Any:
-    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``)."""
+def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None) -> Any:
+    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``) on
+    ``device`` (default: CPU; an accelerator must be the current device, see ``torch_device``): megatron-core
+    initialises it there itself (its RoPE frequencies follow ``use_cpu_initialization``)."""
     import torch.nn.functional as F
 
-    megatron_cpu.activate(force=True)  # the trainer runs this engine on the CPU (run.train checks)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cpu":  # megatron-core's torch.cuda calls redirected (only when training on the CPU)
+        megatron_cpu.activate(force=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state as ps
@@ -90,7 +97,7 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int) -> Any:
         ffn_hidden_size=mc.intermediate_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device.type == "cpu",
         perform_initialization=True,
         init_method_std=0.02,
         gated_linear_unit=True,
@@ -127,7 +134,7 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int) -> Any:
             rotary_base=int(cfg.model.rope_theta),
             parallel_output=False,
         )
-    return model
+    return model.to(device)
 
 
 class _Model:
@@ -142,8 +149,18 @@ class _Model:
 class MegatronTrainEngine:
     """See the module docstring. Rank 0 constructs it (and spawns the followers when ``tp > 1``)."""
 
-    def __init__(self, cfg: Any, mc: ModelConfig, seed: int, rank: int = 0, port: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        mc: ModelConfig,
+        seed: int,
+        rank: int = 0,
+        port: int | None = None,
+        device: str = "cpu",
+    ) -> None:
         import torch.distributed as dist
+
+        from msrl_core.trainer.engines import process_group_backend, torch_device
 
         tp, pp, ep = int(cfg.actor.tp), int(cfg.actor.pp), int(cfg.actor.ep)
         if pp != 1 or ep != 1:
@@ -153,13 +170,15 @@ class MegatronTrainEngine:
             )
         self.cfg, self.model_config, self.rank, self.seed = cfg, mc, rank, seed
         self.parallel = Parallel(tp=tp)
+        self.device_name = device
+        self.device = torch_device(device, rank)
         self._procs: Any = None
         if rank == 0 and tp > 1:
             port = _free_port()
-            self._procs = _spawn_followers(cfg, seed, tp, port)
-        init_distributed(rank, tp, port or _free_port())
+            self._procs = _spawn_followers(cfg, seed, tp, port, device)
+        init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_gpt(mc, cfg, tp, seed))]
+        self._models = [_Model(build_gpt(mc, cfg, tp, seed, self.device))]
         self.module = self._models[0].module
         from megatron.core import parallel_state as ps
 
@@ -187,7 +206,7 @@ class MegatronTrainEngine:
         for i, d in enumerate(shape):
             hdr[3 + i] = d
         hdr[6], hdr[7] = a0, a1
-        self._dist.broadcast(hdr, src=0, group=self.tp_group)
+        self._dist.broadcast(hdr.to(self.device), src=0, group=self.tp_group)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -197,7 +216,7 @@ class MegatronTrainEngine:
     def serve(self) -> None:
         """Follower loop: run rank 0's operations until it sends STOP."""
         while True:
-            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64))
+            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device)).cpu()
             op, model, nd = int(hdr[0]), int(hdr[1]), int(hdr[2])
             shape = tuple(int(x) for x in hdr[3 : 3 + nd])
             a0, a1 = int(hdr[6]), int(hdr[7])
@@ -205,14 +224,14 @@ class MegatronTrainEngine:
                 return
             m = self._models[model]
             if op in (_LOGITS, _FWD):
-                tokens = self._bcast(torch.zeros(shape, dtype=torch.int64))
+                tokens = self._bcast(torch.zeros(shape, dtype=torch.int64, device=self.device))
                 if op == _LOGITS:
                     with torch.no_grad():
                         self._forward(m, tokens)
                 else:
                     m.pending = self._forward(m, tokens)
             elif op == _BWD:
-                grad = self._bcast(torch.zeros(shape, dtype=torch.float32))
+                grad = self._bcast(torch.zeros(shape, dtype=torch.float32, device=self.device))
                 pending, m.pending = m.pending, None
                 pending.backward(grad.to(pending.dtype))
             elif op == _ZERO:
@@ -241,7 +260,7 @@ class MegatronTrainEngine:
     # ---- local work (both sides) --------------------------------------------------------------------
 
     def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         out = m.module(tokens, pos, None)
         return out[..., : self.model_config.vocab_size]
 
@@ -249,8 +268,8 @@ class MegatronTrainEngine:
         m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
 
     def _grad_norm(self, m: _Model) -> float:
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in m.module.parameters():
             if p.grad is None:
                 continue
@@ -279,7 +298,7 @@ class MegatronTrainEngine:
 
         if self._infer is None:  # followers keep their own copy of the HF weights (inference TP is 1)
             self._infer_plan = to_hf(self.model_config, self.parallel)
-            self._infer = self._infer_plan.allocate_inference()[0]
+            self._infer = self._infer_plan.allocate_inference(device=self.device)[0]
         self._swap = msrl_core.allgather_swap(
             self.module, self._infer, self._infer_plan, self.groups, bucket_bytes=bucket_bytes, swap=swap
         )
@@ -287,13 +306,13 @@ class MegatronTrainEngine:
 
     def _back(self) -> None:
         if self._swap is not None and self._swap.state != "back":
-            self._swap.swap_back()
+            self._swap.swap_back(stream=current_stream(self.device))
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_gpt(
-            self.model_config, self.cfg, self.parallel.tp, self.seed
-        )  # process groups: no deepcopy
+        ref = build_gpt(  # process groups: no deepcopy
+            self.model_config, self.cfg, self.parallel.tp, self.seed, self.device
+        )
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -323,7 +342,7 @@ class MegatronTrainEngine:
 
     def _logits(self, model: int, tokens: torch.Tensor) -> torch.Tensor:
         m = self._models[model]
-        tokens = tokens.contiguous()
+        tokens = tokens.to(self.device).contiguous()
         grad = torch.is_grad_enabled() and model == 0
         with self._lock:
             self._announce(_FWD if grad else _LOGITS, model, tuple(tokens.shape))
@@ -434,14 +453,14 @@ def _load(module: Any, state: dict[str, Any]) -> None:
 # ---- followers ------------------------------------------------------------------------------------------
 
 
-def _spawn_followers(cfg: Any, seed: int, world: int, port: int) -> Any:
+def _spawn_followers(cfg: Any, seed: int, world: int, port: int, device: str) -> Any:
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     text = OmegaConf.to_yaml(cfg, resolve=True)
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_follower_main, args=(r, world, port, text, seed), daemon=True)
+        ctx.Process(target=_follower_main, args=(r, world, port, text, seed, device), daemon=True)
         for r in range(1, world)
     ]
     for p in procs:
@@ -456,7 +475,7 @@ def _join(procs: list[Any], timeout: float = 60.0) -> None:
             p.kill()
 
 
-def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int) -> None:
+def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int, device: str) -> None:
     import signal
 
     # Ctrl-C in a terminal reaches the whole process group: rank 0 decides when to stop (it sends STOP)
@@ -468,5 +487,5 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int) -
     from msrl_core.trainer.config import model_config
 
     cfg: Any = OmegaConf.create(cfg_yaml)
-    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port)
+    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port, device=device)
     engine.serve()
