@@ -81,6 +81,7 @@ def test_reward_and_adv_are_placed_on_actors():
         StageRunner(None, [StageSpec("x", ("a",), (), 1, placement="gpu")], {"x": print}, 1.0)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_ray_stage_actors_same_schema_as_local(tmp_path):
     spec, log = _reward(tmp_path, "ok")
     ray_dir = tmp_path / "ray"
@@ -104,6 +105,7 @@ def test_ray_stage_actors_same_schema_as_local(tmp_path):
     assert set(rows[0]) == set(local.rows[0])  # the same metrics schema as the local run
 
 
+@pytest.mark.slow
 def test_ray_actor_reward_error_is_the_thread_paths_message(tmp_path):
     spec, _ = _reward(tmp_path, "raise")
     run = tmp_path / "run"
@@ -116,6 +118,7 @@ def test_ray_actor_reward_error_is_the_thread_paths_message(tmp_path):
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().split("\n") if x] == [0]
 
 
+@pytest.mark.slow
 def test_killed_stage_actor_fails_within_the_deadline(tmp_path):
     spec, _ = _reward(tmp_path, "die")
     run = tmp_path / "run"

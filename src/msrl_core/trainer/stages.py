@@ -229,15 +229,19 @@ class StageRunner:
             else:
                 next(t for t in threads if t.is_alive()).join(timeout=0.2)
             if stop.is_set() and pending and not stopped_actors:
-                for name in pending.values():
-                    self.actors[name].stop.remote()
+                self._stop_actors(pending)
                 stopped_actors = True
             if time.monotonic() > deadline + 5.0:
                 stop.set()
+                self._stop_actors(pending)
                 late = [t.name.removeprefix("msrl-stage-") for t in threads if t.is_alive()]
                 raise StageError(([*pending.values(), *late] or ["?"])[0], TimeoutError("stage hung"))
         if errors:
             raise errors[0] from errors[0].error
+
+    def _stop_actors(self, pending: dict[Any, str]) -> None:
+        for name in pending.values():
+            self.actors[name].stop.remote()
 
     def _poll_actors(
         self, pending: dict[Any, str], clock: StageClock, errors: list[StageError], stop: threading.Event
