@@ -267,6 +267,9 @@ def train(
         writer.close()
         if bar is not None:
             bar.close()
+        close_sampler = getattr(trainer.sampler, "close", None)  # a vLLM engine's processes stop here
+        if close_sampler is not None:
+            close_sampler()
         trainer.close()
         engine.close()
     rows = read_metrics(run_dir)

