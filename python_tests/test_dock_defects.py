@@ -207,10 +207,9 @@ def test_stats_reports_a_dead_warehouse_per_warehouse(make):
         dock.fetch(rows, ["prompts"])
 
 
+@pytest.mark.parametrize("make", ["ray"], indirect=True)  # the local backend has no connections
 def test_short_lived_threads_leave_no_threads_or_fds_behind(make):
     dock = make(capacity=16)
-    if dock.backend == "local":
-        pytest.skip("no connections on the local backend")
     import ray
 
     b = dock._backend
