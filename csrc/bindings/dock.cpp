@@ -121,15 +121,19 @@ py::dict progress_dict(const dock::StageProgress& p) {
   return d;
 }
 
-// A pinned zero-copy span of one warehouse arena (DockCore::view). Exposes the bytes read-only through
-// the buffer protocol, so numpy arrays made from it keep it alive; unpins when the last one goes.
+// A pinned zero-copy span of one warehouse arena. Exposes the bytes read-only through the buffer
+// protocol, so numpy arrays made from it keep it alive; when the last one goes it unpins: through the
+// DockCore (local backend, DockCore::view) or by dropping `owner` (Ray backend: the owner is the client's
+// pin of a shared arena, which unpins in the warehouse when it goes).
 class DockView {
  public:
   DockView(py::object owner, dock::DockCore* core, const uint8_t* data, size_t nbytes)
       : owner_(std::move(owner)), core_(core), data_(data), nbytes_(nbytes) {}
   DockView(const DockView&) = delete;
   DockView& operator=(const DockView&) = delete;
-  ~DockView() { core_->unpin(); }
+  ~DockView() {
+    if (core_ != nullptr) core_->unpin();
+  }
   const uint8_t* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
 
@@ -146,6 +150,13 @@ void bind_dock(py::module_& m) {
   py::class_<DockView>(m, "DockView", py::buffer_protocol(),
                        "Read-only bytes of a warehouse arena (zero-copy fetch); pins its iteration: the dock's "
                        "reset() refuses while one is alive.")
+      .def(py::init([](py::object owner, uintptr_t address, size_t nbytes) {
+             return std::make_unique<DockView>(std::move(owner), nullptr, reinterpret_cast<const uint8_t*>(address),
+                                               nbytes);
+           }),
+           py::arg("owner"), py::arg("address"), py::arg("nbytes"),
+           "A view of `nbytes` at `address` inside memory that `owner` keeps mapped (a shared arena); "
+           "dropping the last reference drops `owner`.")
       .def_buffer([](DockView& v) {
         return py::buffer_info(const_cast<uint8_t*>(v.data()), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(v.nbytes())}, {static_cast<ssize_t>(1)}, /*readonly=*/true);

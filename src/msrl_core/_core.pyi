@@ -136,6 +136,7 @@ class CopyEngine:
 class DockView:
     """Read-only bytes of a warehouse arena (buffer protocol); pins its dock's iteration while alive."""
 
+    def __init__(self, owner: object, address: int, nbytes: int) -> None: ...
     @property
     def address(self) -> int: ...
     @property

@@ -279,6 +279,7 @@ class WarehouseActor:
         self.lock = threading.Lock()
         self.pending: dict[int, Any] = {}  # reservation id -> reservations of a client put
         self.leases: dict[int, int] = {}  # lease id -> epoch, fetches copying out of the arenas now
+        self.pins: set[int] = set()  # lease ids of fetches whose zero-copy views are alive in a client
         self.next_id = 0
         self.fds: list[int] = []
         self.maps: list[Any] = []
@@ -347,17 +348,26 @@ class WarehouseActor:
             if res is not None:
                 self.wh.abort(res)
 
-    def locate(self, cids: list[int], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
+    def locate(
+        self, cids: list[int], rows: np.ndarray, epoch: int, pin: bool = False
+    ) -> tuple[int, list[tuple]]:
+        """Byte offsets and item counts of the rows in each column's arena, under a lease that keeps
+        reset() out until unlease(lid). pin: the client keeps zero-copy views of these bytes (the lease
+        lives as long as they do; reset() names them)."""
         with self.lock:
             self._check_epoch(epoch)
             out = [self.wh.locate(c, rows) for c in cids]
             self.next_id += 1
-            self.leases[self.next_id] = self.epoch
+            if pin:
+                self.pins.add(self.next_id)
+            else:
+                self.leases[self.next_id] = self.epoch
             return self.next_id, out
 
     def unlease(self, lid: int) -> None:
         with self.lock:
             self.leases.pop(lid, None)
+            self.pins.discard(lid)
 
     # -- Ray path (other nodes, or no shared memory) --
 
@@ -404,11 +414,17 @@ class WarehouseActor:
                     self.wh.abort(res)
                 self.pending.clear()
                 self.leases.clear()
+                self.pins.clear()  # views of a reader that died; live ones would see the next iteration
             self._check_idle()
             self.wh.reset(None if keep_rows is None or not len(keep_rows) else keep_rows)
             self.epoch = epoch
 
     def _check_idle(self) -> None:
+        if self.pins:
+            raise InvalidArgument(
+                f"reset() while zero-copy fetch views of {len(self.pins)} fetch(es) are alive (arrays "
+                "from fetch(copy=False) or take(copy=False)); drop them first; nothing was reset"
+            )
         if self.leases or self.pending:
             raise InvalidArgument(
                 f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "

@@ -13,8 +13,10 @@ calls.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import queue
 import threading
 import weakref
 from typing import Any
@@ -26,7 +28,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
 
 try:
     import ray
@@ -51,9 +53,66 @@ class _ThreadConns:
         self.close()
 
 
+class _Pin:
+    """One fetch's zero-copy views of a warehouse's shared arenas (held by their DockViews): keeps the
+    client's arena mappings alive and, when the last view goes, asks the warehouse to drop its pin."""
+
+    __slots__ = ("unpinner", "w", "lid", "arenas")
+
+    def __init__(self, unpinner: _Unpinner, w: int, lid: int, arenas: list[np.ndarray]):
+        self.unpinner, self.w, self.lid, self.arenas = unpinner, w, lid, arenas
+
+    def __del__(self) -> None:
+        self.unpinner.unpin(self.w, self.lid)
+
+
+class _Unpinner:
+    """Sends the warehouses the unpins of dead views. A view dies in any thread (the GC's included,
+    maybe in the middle of a call on that thread's connection), so `unpin` only queues (deque.append and
+    SimpleQueue.put are reentrant); a daemon thread, and `flush` before a reset, send them. Popping and
+    sending happen under one lock, so after `flush` every view dead before it is unpinned."""
+
+    def __init__(self, backend: RayBackend):
+        self.items: collections.deque[tuple[int, int]] = collections.deque()
+        self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.backend = weakref.ref(backend)
+        self.thread: threading.Thread | None = None
+        self.live = 0  # pins made and not yet unpinned
+
+    def pin(self, w: int, lid: int, arenas: list[np.ndarray]) -> _Pin:
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="msrl-dock-unpin", daemon=True)
+                self.thread.start()
+            self.live += 1
+        return _Pin(self, w, lid, arenas)
+
+    def unpin(self, w: int, lid: int) -> None:
+        self.items.append((w, lid))
+        self.wake.put(True)
+
+    def flush(self) -> None:
+        with self.lock:
+            while self.items:
+                w, lid = self.items.popleft()
+                self.live -= 1
+                backend = self.backend()
+                if backend is not None:
+                    with contextlib.suppress(MsrlError):  # a dead warehouse holds no pins any more
+                        backend._wh(w, "unlease", lid)
+
+    def _run(self) -> None:
+        while self.wake.get():
+            self.flush()
+
+    def stop(self) -> None:
+        self.wake.put(None)
+
+
 class RayBackend:
     name = "ray"
-    views = False  # zero-copy views of the shared arenas: not built for Ray yet
+    views = True  # zero-copy views of the shared arenas (same node; other columns come back copied)
     picklable = True
 
     def __init__(
@@ -87,6 +146,8 @@ class RayBackend:
         self._arena_lock = threading.Lock()
         self.balance_by = balance_by
         self.length_column = list(columns).index(balance_by) if balance_by else -1
+        self._unpinner = _Unpinner(self)
+        self._unpin_stop = weakref.finalize(self, self._unpinner.stop)
         if _handles is not None:  # unpickled in another process
             self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse = (
                 _handles
@@ -289,29 +350,57 @@ class RayBackend:
                 located.append(locs)
             out = []
             for k, (cid, col) in enumerate(cols):
-                lengths = np.empty(len(rows), dtype=np.int64)
-                for (_, pos), locs in zip(parts, located):
-                    lengths[pos] = locs[k][1]
-                item = col.item_bytes
-                row_bytes = lengths * item
-                dst_offs = np.zeros(len(rows), dtype=np.int64)
-                np.cumsum(row_bytes[:-1], out=dst_offs[1:])
-                total = int(lengths.sum())
-                if col.ragged:
-                    arr = np.empty((total, *col.shape), dtype=col.storage_dtype)
-                else:
-                    arr = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
-                flat = arr.reshape(-1).view(np.uint8)
-                for (w, pos), locs in zip(parts, located):
-                    _core.dock_copy_rows(
-                        flat, dst_offs[pos], self._arenas(w)[cid], locs[k][0], row_bytes[pos]
-                    )
-                out.append((arr, lengths if col.ragged else None))
+                pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(parts, located)]
+                out.append(_copy_out(col, len(rows), pieces))
             return out
         finally:
             for w, lid in leases:
                 with contextlib.suppress(MsrlError):
                     self._wh(w, "unlease", lid)
+
+    def fetch_views(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
+        """Packed (values, lengths or None, is_view) per column. Same node, rows in one warehouse: a
+        column whose rows' bytes lie back to back in the arena is a read-only view of the shared arena
+        (no copy), pinned in the warehouse until its last array goes (reset() refuses meanwhile); other
+        columns are copied out of the arena. Otherwise (rows in several warehouses, other nodes): copies."""
+        wh = self.warehouse_of(rows)
+        if not len(rows) or not self._shared() or (wh != wh[0]).any():
+            return [(a, lens, False) for a, lens in self.fetch_many(cols, rows, "packed", epoch)]
+        w = int(wh[0])
+        arenas = self._arenas(w)
+        lid, located = self._wh(w, "locate", [cid for cid, _ in cols], rows, epoch, True)
+        pin: _Pin | None = None
+        span: Any = None
+        arr: Any = None
+        out: list[tuple] = []
+        try:
+            for (cid, col), (offs, lengths) in zip(cols, located):
+                nbytes = lengths * col.item_bytes
+                total = int(nbytes.sum())
+                if total and (offs[1:] == offs[:-1] + nbytes[:-1]).all():
+                    if pin is None:
+                        pin = self._unpinner.pin(w, lid, arenas)
+                    span = _core.DockView(pin, arenas[cid].ctypes.data + int(offs[0]), total)
+                    items = int(lengths.sum()) if col.ragged else len(rows)
+                    arr = np.frombuffer(memoryview(span), dtype=col.storage_dtype).reshape(items, *col.shape)
+                    out.append((arr, lengths if col.ragged else None, True))
+                else:
+                    arr, lens = _copy_out(col, len(rows), [(slice(None), arenas[cid], (offs, lengths))])
+                    out.append((arr, lens, False))
+            return out
+        except BaseException:
+            out.clear()  # the traceback keeps this frame: nothing may stay pinned through it
+            pin = span = arr = None
+            raise
+        finally:
+            if pin is None:  # nothing viewed: the lease ends now
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "unlease", lid)
+
+    def live_views(self) -> int:
+        """Fetches of this client whose zero-copy views are alive."""
+        self._unpinner.flush()
+        return self._unpinner.live
 
     def _put_rows(
         self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
@@ -434,11 +523,6 @@ class RayBackend:
             arr = padded
         return arr, lengths
 
-    def fetch_view(
-        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
-    ) -> tuple[np.ndarray, Any, bool]:
-        raise Unsupported("zero-copy views (fetch(copy=False)) are not built for the ray backend")
-
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
 
@@ -466,6 +550,7 @@ class RayBackend:
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
         # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
         # starting between this check and the warehouse resets can still make one of them refuse).
+        self._unpinner.flush()  # views this process dropped unpin first
         if not force:
             self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
         epoch, kept = self._get(self.controller.call.remote("reset", keep_unfinished), "controller")
@@ -481,10 +566,28 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Kills the actors of this dock."""
+        self._unpin_stop()
         _close_all(self._threads)
         for h in [self.controller, *self.warehouses]:
             with contextlib.suppress(Exception):  # already dead, or Ray shutting down: nothing to kill
                 ray.kill(h)
+
+
+def _copy_out(col: Column, n: int, pieces: list[tuple]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Packed copy of n rows of one column out of shared arenas: pieces are (positions among the n
+    rows, arena, (byte offsets, item counts) of those rows) per warehouse."""
+    lengths = np.empty(n, dtype=np.int64)
+    for pos, _, (_, lens) in pieces:
+        lengths[pos] = lens
+    row_bytes = lengths * col.item_bytes
+    dst_offs = np.zeros(n, dtype=np.int64)
+    np.cumsum(row_bytes[:-1], out=dst_offs[1:])
+    items = int(lengths.sum()) if col.ragged else n
+    arr = np.empty((items, *col.shape), dtype=col.storage_dtype)
+    flat = arr.reshape(-1).view(np.uint8)
+    for pos, arena, (offs, _) in pieces:
+        _core.dock_copy_rows(flat, dst_offs[pos], arena, offs, row_bytes[pos])
+    return arr, (lengths if col.ragged else None)
 
 
 def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:
