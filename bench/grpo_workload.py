@@ -562,6 +562,7 @@ def run_bulk_memory(args, emit) -> None:
         ("streamed 128-row chunks, reader drops each chunk", 128, False, True, 2),
         ("one 1024-row put, reader keeps the whole batch", rows, True, True, 2),
         # Views need a claim's rows in one warehouse: one warehouse (the default on one node).
+        ("streamed 128-row chunks, reader keeps everything as copies", 128, True, True, 1),
         ("streamed 128-row chunks, reader keeps everything as zero-copy views", 128, True, False, 1),
     )
     for variant, chunk, keep, copy, warehouses in variants:  # a fresh dock each: arenas keep their pages

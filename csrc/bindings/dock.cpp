@@ -20,17 +20,7 @@ using dock::DType;
 
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-DType parse_dtype(const std::string& s) {
-  if (s == "bool") return DType::kBool;
-  if (s == "uint8") return DType::kUInt8;
-  if (s == "int32") return DType::kInt32;
-  if (s == "int64") return DType::kInt64;
-  if (s == "float16") return DType::kFloat16;
-  if (s == "bfloat16") return DType::kBFloat16;
-  if (s == "float32") return DType::kFloat32;
-  MSRL_THROW(kInvalidArgument, "unsupported dtype '", s,
-             "'; allowed: bool, uint8, int32, int64, float16, bfloat16, float32");
-}
+using dock::parse_dtype;
 
 // (name, dtype, ragged, inner_shape, arena_bytes)
 using ColumnTuple = std::tuple<std::string, std::string, bool, std::vector<int64_t>, int64_t>;
@@ -465,6 +455,14 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("nbytes",
                              [](const dock::Reservation& r) { return to_array(std::vector<int64_t>(r.nbytes)); });
 
+  m.def(
+      "dock_dtypes",
+      [] {
+        std::vector<std::pair<std::string, size_t>> out;
+        for (const auto& t : dock::dtype_table()) out.emplace_back(t.name, t.size);
+        return out;
+      },
+      "The dock's dtype table: (name, bytes per element), in the native order (one table, both backends).");
   m.def(
       "dock_copy_rows",
       [](py::buffer dst, const I64Array& dst_offsets, py::buffer src, const I64Array& src_offsets,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
-from msrl_core.dock._actors import ControllerActor, WarehouseActor
+from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
@@ -209,17 +209,7 @@ class RayBackend:
     # -- plumbing --
 
     def _get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
-        try:
-            return ray.get(refs, timeout=timeout if timeout is not None else self.op_timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise Timeout(f"{what} did not answer within {timeout or self.op_timeout} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise Unavailable(f"{what} actor died: {e}") from None
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
-            if isinstance(cause, MsrlError):
-                raise cause from None
-            raise MsrlError(f"{what} failed: {type(cause or e).__name__}: {cause or e}") from None
+        return ray_get(refs, what, timeout if timeout is not None else self.op_timeout)
 
     def _node_id(self) -> str:
         if self._node is None:
@@ -337,7 +327,9 @@ class RayBackend:
         for w, rid in reserved:
             self._wh(w, "commit", rid)
 
-    def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
+    def _fetch_shared(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int, layout: str = "packed"
+    ) -> list[tuple]:
         """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
         parts = self._split(rows)
         cids = [cid for cid, _ in cols]
@@ -351,7 +343,7 @@ class RayBackend:
             out = []
             for k, (cid, col) in enumerate(cols):
                 pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(parts, located)]
-                out.append(_copy_out(col, len(rows), pieces))
+                out.append(_copy_out(col, len(rows), pieces, layout == "padded"))
             return out
         finally:
             for w, lid in leases:
@@ -403,14 +395,21 @@ class RayBackend:
         return self._unpinner.live
 
     def _put_rows(
-        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+        self,
+        inputs: list[tuple],
+        rows: np.ndarray,
+        put_id: int,
+        epoch: int = -1,
+        stage: int = -1,
+        claim_id: int = 0,
     ) -> None:
+        """Stores and publishes a put the controller registered as put_id (a reset waits for it)."""
         if self._shared():
             self._put_shared(inputs, rows, epoch)
         else:
             self._put_actor_calls(inputs, rows, epoch)
         lengths = _lengths_of(inputs, self.length_column)
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id, put_id)
 
     def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
         parts = self._split(rows)
@@ -445,19 +444,25 @@ class RayBackend:
             raise errors[0]
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
-        rows = self._ctl("allocate", n)
+        rows, put_id = self._ctl("allocate", n)
         try:
-            self._put_rows(inputs, rows)
+            self._put_rows(inputs, rows, put_id)
         except BaseException:
-            self._ctl("free", rows)
+            with contextlib.suppress(MsrlError):  # e.g. the controller died: nothing to give back
+                self._ctl("free", rows, put_id)
             raise
         return rows
 
     def put(
         self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
     ) -> None:
-        self._ctl("check_put", rows, epoch, stage, claim_id)
-        self._put_rows(inputs, rows, epoch, stage, claim_id)
+        put_id = self._ctl("check_put", rows, epoch, stage, claim_id)
+        try:
+            self._put_rows(inputs, rows, put_id, epoch, stage, claim_id)
+        except BaseException:
+            with contextlib.suppress(MsrlError):
+                self._ctl("end_put", put_id)
+            raise
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
@@ -477,51 +482,27 @@ class RayBackend:
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]:
-        """One request per involved warehouse for all columns; answers are concatenated in row order."""
+        """One request per involved warehouse for all columns; answers are gathered in row order (and
+        padded) by the native copy engine, as the same-node path copies out of the arenas."""
         if self._shared():
-            shared = self._fetch_shared(cols, rows, epoch)
-            return [self._pad(arr, lengths, col, layout) for (arr, lengths), (_, col) in zip(shared, cols)]
+            return self._fetch_shared(cols, rows, epoch, layout)  # padded straight out of the arenas
         parts = self._split(rows)
         specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
         refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
         got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(parts, refs)]
-        order = np.concatenate([pos for _, pos in parts]) if parts else np.empty(0, np.int64)
-        inv = None
-        if (np.diff(order) < 0).any():  # rows were not grouped by warehouse: restore the caller's order
-            inv = np.empty_like(order)
-            inv[order] = np.arange(len(order))
         results: list[tuple] = []
         for k, (_, col) in enumerate(cols):
-            pieces = [g[k] for g in got]
-            lengths: Any
-            if not pieces:
-                arr = np.empty((0, *col.shape), dtype=col.storage_dtype)
-                lengths = np.empty(0, np.int64) if col.ragged else None
-            elif len(pieces) == 1:
-                arr, lengths = pieces[0]
-            else:
-                arr = np.concatenate([a for a, _ in pieces])
-                lengths = np.concatenate([x for _, x in pieces]) if col.ragged else None
-            if inv is not None:
-                if col.ragged:
-                    offs = np.zeros(len(lengths) + 1, dtype=np.int64)
-                    np.cumsum(lengths, out=offs[1:])
-                    arr = np.concatenate([arr[offs[i] : offs[i + 1]] for i in inv])
-                    lengths = lengths[inv]
-                else:
-                    arr = arr[inv]
-            results.append(self._pad(arr, lengths, col, layout))
+            if len(got) == 1 and not (col.ragged and layout == "padded"):  # one warehouse's answer as is
+                results.append(got[0][k])
+                continue
+            # Several warehouses (their answers in the caller's row order) or padding: one native copy.
+            pieces = []
+            for (_, pos), g in zip(parts, got):
+                arr, lens = g[k]
+                lens = np.ones(len(pos), np.int64) if lens is None else lens
+                pieces.append((pos, arr.reshape(-1).view(np.uint8), _packed_offsets(col, lens)))
+            results.append(_copy_out(col, len(rows), pieces, layout == "padded"))
         return results
-
-    @staticmethod
-    def _pad(arr: np.ndarray, lengths: Any, col: Column, layout: str) -> tuple:
-        if col.ragged and layout == "padded":
-            width = int(lengths.max()) if len(lengths) else 0
-            mask = np.arange(width)[None, :] < lengths[:, None]
-            padded = np.zeros((len(lengths), width, *col.shape), dtype=col.storage_dtype)
-            padded[mask] = arr
-            arr = padded
-        return arr, lengths
 
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
@@ -548,17 +529,10 @@ class RayBackend:
         self._ctl("complete", stage, rows, epoch, claim_id)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
-        # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
-        # starting between this check and the warehouse resets can still make one of them refuse).
-        self._unpinner.flush()  # views this process dropped unpin first
-        if not force:
-            self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
-        epoch, kept = self._get(self.controller.call.remote("reset", keep_unfinished), "controller")
-        per_wh = {w: kept[pos] for w, pos in self._split(kept)}
-        empty = np.empty(0, np.int64)
-        refs = [h.reset.remote(epoch, force, per_wh.get(w, empty)) for w, h in enumerate(self.warehouses)]
-        self._get(refs, "warehouses")
-        return kept
+        # One controller call, atomic against puts (ControllerState.reset); views dropped here unpin first.
+        self._unpinner.flush()
+        ref = self.controller.call.remote("reset", keep_unfinished, force, self.warehouses, self.op_timeout)
+        return self._get(ref, "controller", 3 * self.op_timeout)  # it waits on the warehouses twice
 
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):
@@ -573,17 +547,32 @@ class RayBackend:
                 ray.kill(h)
 
 
-def _copy_out(col: Column, n: int, pieces: list[tuple]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Packed copy of n rows of one column out of shared arenas: pieces are (positions among the n
-    rows, arena, (byte offsets, item counts) of those rows) per warehouse."""
+def _packed_offsets(col: Column, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offsets, item counts) of the rows of a packed array of one column."""
+    offs = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1] * col.item_bytes, out=offs[1:])
+    return offs, lengths
+
+
+def _copy_out(
+    col: Column, n: int, pieces: list[tuple], padded: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Copy of n rows of one column out of byte arenas (the warehouses' shared ones, or a packed array),
+    through the native copy engine: pieces are (positions among the n rows, arena, (byte offsets, item
+    counts) of those rows). Packed, or (ragged, padded) [n, longest row, ...] with zeros after each row."""
     lengths = np.empty(n, dtype=np.int64)
     for pos, _, (_, lens) in pieces:
         lengths[pos] = lens
     row_bytes = lengths * col.item_bytes
-    dst_offs = np.zeros(n, dtype=np.int64)
-    np.cumsum(row_bytes[:-1], out=dst_offs[1:])
-    items = int(lengths.sum()) if col.ragged else n
-    arr = np.empty((items, *col.shape), dtype=col.storage_dtype)
+    if padded and col.ragged:
+        width = int(lengths.max()) if n else 0
+        arr = np.zeros((n, width, *col.shape), dtype=col.storage_dtype)
+        dst_offs = np.arange(n, dtype=np.int64) * (width * col.item_bytes)
+    else:
+        dst_offs = np.zeros(n, dtype=np.int64)
+        np.cumsum(row_bytes[:-1], out=dst_offs[1:])
+        items = int(lengths.sum()) if col.ragged else n
+        arr = np.empty((items, *col.shape), dtype=col.storage_dtype)
     flat = arr.reshape(-1).view(np.uint8)
     for pos, arena, (offs, _) in pieces:
         _core.dock_copy_rows(flat, dst_offs[pos], arena, offs, row_bytes[pos])
