@@ -514,3 +514,84 @@ def test_padded_and_packed_fetch_in_any_row_order(path):
     empty = dock.fetch(rows[:0], ["prompts"], layout="padded")["prompts"]
     assert empty.values.shape == (0, 0) and empty.lengths.tolist() == []
     dock.shutdown()
+
+
+def _kill_now(pid: int) -> None:
+    """SIGKILL an actor process and wait until it is gone (from inside a dock operation)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(600):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "victim,during,path",
+    [
+        ("warehouse", "put", "socket"),
+        ("warehouse", "fetch", "socket"),
+        ("controller", "put", "socket"),
+        ("controller", "fetch", "socket"),
+        ("warehouse", "put", "actor-calls"),
+        ("warehouse", "fetch", "actor-calls"),
+    ],
+)
+def test_faults_timed_inside_a_put_or_a_fetch(monkeypatch, victim, during, path):
+    """An actor killed inside a put or a fetch — same node: while it copies through the shared arenas
+    (after the reserve or locate, before the commit or unlease); actor calls: while it waits for the
+    actors' answers: the operation and every later call that needs the dead actor raise Unavailable or
+    Timeout within op_timeout; rows committed on the surviving warehouse stay intact and readable."""
+    import os
+
+    from msrl_core import _core
+    from msrl_core.dock import _client
+
+    dock = make_dock(path == "socket", op_timeout=10.0)
+    prompts = [np.arange(3) + i for i in range(8)]
+    rows = dock.put({"prompts": prompts})
+    wh = dock.warehouse_of(rows)
+    handle = dock._backend.warehouses[1] if victim == "warehouse" else dock._backend.controller
+    pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+    module, name = (_core, "dock_copy_rows") if path == "socket" else (_client, "ray_get")
+    original = getattr(module, name)
+    fired = []
+
+    def kill_then_go_on(*args):
+        if not fired:
+            fired.append(True)
+            _kill_now(pid)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, kill_then_go_on)
+    t0 = time.perf_counter()
+    if during == "put" or path == "actor-calls":
+        with pytest.raises((Unavailable, Timeout)):
+            if during == "put":
+                dock.put({"prompts": [np.arange(2)] * 8})
+            else:
+                dock.fetch(rows, ["prompts"])
+    else:  # the arenas stay mapped in this process: the copy completes; the unlease is lost
+        got = dock.fetch(rows, ["prompts"])
+        assert [got["prompts"][k].tolist() for k in range(8)] == [p.tolist() for p in prompts]
+    assert fired and time.perf_counter() - t0 < 10.0
+    monkeypatch.setattr(module, name, original)
+    later = [lambda: dock.put({"prompts": [np.arange(1)] * 8})]
+    if victim == "warehouse":
+        later.append(lambda: dock.fetch(rows[wh == 1], ["prompts"]))
+    else:
+        later += [lambda: dock.claim("gen", max_rows=4, timeout=5.0), lambda: dock.progress()]
+    for fn in later:
+        t0 = time.perf_counter()
+        with pytest.raises((Unavailable, Timeout)):
+            fn()
+        assert time.perf_counter() - t0 < 10.0 + 5.0
+    alive = rows[wh == 0]
+    b = dock.fetch(alive, ["prompts"])  # warehouse 0 survived: its committed rows are intact
+    src = {int(r): prompts[i] for i, r in enumerate(rows)}
+    assert [b["prompts"][k].tolist() for k in range(len(alive))] == [src[int(r)].tolist() for r in alive]
+    dock.shutdown()
