@@ -207,13 +207,19 @@ def kill_and_wait(handle) -> None:
 
     pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(handle)
+    wait_gone(pid)
+
+
+def wait_gone(pid: int) -> None:
+    import os
+
     for _ in range(600):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.05)
-    raise AssertionError("actor process still alive 30 s after ray.kill")
+    raise AssertionError(f"actor process {pid} still alive 30 s after it was killed")
 
 
 def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
@@ -522,12 +528,7 @@ def _kill_now(pid: int) -> None:
     import signal
 
     os.kill(pid, signal.SIGKILL)
-    for _ in range(600):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
+    wait_gone(pid)
 
 
 @pytest.mark.parametrize(
