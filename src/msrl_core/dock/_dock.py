@@ -388,8 +388,9 @@ class Dock:
         ``fetch(copy=False)`` are alive (the message says how many). Claims blocked in ``claim`` keep
         waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
         a put, fetch or release with it raises InvalidArgument instead of touching the new rows.
-        ``force=True`` (Ray backend) abandons same-node puts and fetches still registered in the
-        warehouses, e.g. of a worker that died between reserving and committing; their commits fail.
+        On Ray a reset is atomic against puts: a racing put's rows are wholly before or wholly after it.
+        ``force=True`` (Ray backend) abandons puts, fetches and views still registered (e.g. of a worker
+        that died between reserving and committing); their commits or publications fail.
 
         ``keep_unfinished=True`` (partial rollout): only *finished* groups — claimed by every stage —
         are freed. Unfinished groups stay in the dock with their rows, written columns and readiness,
