@@ -32,6 +32,17 @@ Code code_of(const std::function<void()>& fn) {
 
 }  // namespace
 
+TEST(Warehouse, OneDtypeTableNamesSizesAndParses) {
+  ASSERT_EQ(dtype_table().size(), 7u);
+  for (const auto& t : dtype_table()) {
+    EXPECT_EQ(parse_dtype(t.name), t.code);
+    EXPECT_STREQ(dtype_name(t.code), t.name);
+    EXPECT_EQ(dtype_size(t.code), t.size);
+  }
+  EXPECT_EQ(dtype_size(DType::kBFloat16), 2u);
+  EXPECT_EQ(code_of([] { parse_dtype("float64"); }), Code::kInvalidArgument);
+}
+
 TEST(Warehouse, RaggedPutGatherRoundTrip) {
   Warehouse w(0, 100, 8, two_columns());
   std::vector<int64_t> rows = {103, 100, 101};

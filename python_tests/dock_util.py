@@ -7,6 +7,7 @@ def init_local_ray(object_store_mb: int = 100) -> None:
     import ray
 
     ray.init(
+        address="local",  # a new instance: never join another cluster running on this machine
         num_cpus=2,
         object_store_memory=object_store_mb * 1024 * 1024,
         include_dashboard=False,

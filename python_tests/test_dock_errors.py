@@ -191,3 +191,16 @@ def test_bad_constructor_arguments():
         Dock({"a": "int64"}, {"s": ["a"]}, capacity=4)
     with pytest.raises(InvalidArgument):
         Column("int64", shape=(0,))
+
+
+def test_one_dtype_table_for_both_backends():
+    """Column dtypes, their numpy storage and sizes come from the native table the warehouses use."""
+    from msrl_core import _core
+    from msrl_core.dock._types import DTYPES
+
+    native = dict(_core.dock_dtypes())
+    assert tuple(native) == DTYPES and "bfloat16" in native
+    for name, size in native.items():
+        assert Column(name).storage_dtype.itemsize == size
+    with pytest.raises(InvalidArgument, match="allowed: bool, uint8"):
+        Column("float64")

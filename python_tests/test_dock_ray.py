@@ -207,13 +207,19 @@ def kill_and_wait(handle) -> None:
 
     pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
     ray.kill(handle)
+    wait_gone(pid)
+
+
+def wait_gone(pid: int) -> None:
+    import os
+
     for _ in range(600):
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return
         time.sleep(0.05)
-    raise AssertionError("actor process still alive 30 s after ray.kill")
+    raise AssertionError(f"actor process {pid} still alive 30 s after it was killed")
 
 
 def test_dead_warehouse_or_controller_raises_unavailable_instead_of_hanging():
@@ -409,4 +415,184 @@ def test_faults_leave_the_others_served_and_committed_rows_intact():
     for k, r in enumerate(alive.tolist()):
         assert b["prompts"][k].tolist() == src[r].tolist()
         assert b["rewards"][k] == float(rows.tolist().index(r))
+    dock.shutdown()
+
+
+def test_reset_is_atomic_against_racing_puts():
+    """Puts race resets: every put succeeds; a row is wholly there (all columns, its own values) or
+    wholly gone, puts that started after the last reset are there, puts done before it are gone."""
+    dock = Dock(
+        columns={"a": Column("int64"), "b": Column("int64", ragged=True, max_len=8)},
+        stages={"read": ["a", "b"]},
+        capacity=1024,
+        group_size=4,
+        warehouses=2,
+        backend="ray",
+        actor_cpus=0.01,
+    )
+    resets = [0]  # resets that returned
+    done = threading.Event()
+    puts: list[tuple[int, int, int]] = []  # (tag, resets before, resets after)
+    errors: list[BaseException] = []
+
+    def putter(first: int) -> None:
+        try:
+            for tag in range(first, first + 30):
+                before = resets[0]
+                dock.put({"a": np.full(4, tag), "b": [np.full(tag % 5 + 1, tag)] * 4})
+                puts.append((tag, before, resets[0]))
+                time.sleep(0.003 * (tag % 3))
+                if tag % 10 == 9:  # let a reset in (one refuses while any put is in flight)
+                    deadline = time.monotonic() + 60
+                    while resets[0] == before and time.monotonic() < deadline:
+                        time.sleep(0.005)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def resetter() -> None:
+        while not done.is_set():
+            try:
+                dock.reset()
+                resets[0] += 1
+            except InvalidArgument as e:  # a put in flight: refused, nothing changed
+                assert "in flight" in str(e)
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=putter, args=(k * 1000,)) for k in range(3)]
+    rt = threading.Thread(target=resetter)
+    rt.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    rt.join(120)
+    assert not errors, errors
+    assert resets[0] > 0
+    final = resets[0]
+    ready = dock.progress()["read"]["ready_rows"]
+    assert ready == dock.stats()["allocated_rows"]
+    batch = dock.take("read", max_rows=1024, min_rows=ready, timeout=30.0) if ready else None
+    present: dict[int, int] = {}
+    if batch is not None:
+        for k in range(len(batch.rows)):
+            tag = int(batch["a"][k])
+            assert batch["b"][k].tolist() == [tag] * (tag % 5 + 1)  # its own values, every column
+            present[tag] = present.get(tag, 0) + 1
+    assert all(n == 4 for n in present.values())  # whole groups
+    for tag, before, after in puts:
+        if before == final:
+            assert tag in present, (tag, before, after, final)
+        if after < final:
+            assert tag not in present, (tag, before, after, final)
+    dock.shutdown()
+
+
+@pytest.mark.parametrize("path", ["local", "socket", "actor-calls"])
+def test_padded_and_packed_fetch_in_any_row_order(path):
+    """Rows of two warehouses in an interleaved order: packed and padded (zeros after each row) come back
+    in the caller's order, through the native copy on every path."""
+    kw = {"backend": "local"} if path == "local" else {"backend": "ray", "fast_path": path == "socket"}
+    dock = Dock(
+        columns={"prompts": Column("int64", ragged=True, max_len=8), "rewards": Column("float32")},
+        stages={"read": ["prompts", "rewards"]},
+        capacity=16,
+        group_size=2,
+        warehouses=2,
+        **kw,
+    )
+    prompts = [np.arange(n, dtype=np.int64) + 100 * n for n in (3, 1, 0, 5, 2, 4, 6, 1)]
+    rows = dock.put({"prompts": prompts, "rewards": np.arange(8, dtype=np.float32)})
+    src = {int(r): prompts[i] for i, r in enumerate(rows)}
+    reward = {int(r): float(i) for i, r in enumerate(rows)}
+    order = rows[[7, 0, 4, 3, 1, 6, 2, 5]]
+    assert len(set(dock.warehouse_of(order[:3]).tolist())) == 2
+    padded = dock.fetch(order, ["prompts", "rewards"], layout="padded")
+    packed = dock.fetch(order, ["prompts"])
+    assert padded["prompts"].values.shape == (8, 6)
+    for k, r in enumerate(order.tolist()):
+        n = len(src[r])
+        assert padded["prompts"].values[k, :n].tolist() == src[r].tolist()
+        assert (padded["prompts"].values[k, n:] == 0).all()
+        assert packed["prompts"][k].tolist() == src[r].tolist()
+        assert padded["rewards"][k] == reward[r]
+    assert padded["prompts"].lengths.tolist() == [len(src[r]) for r in order.tolist()]
+    empty = dock.fetch(rows[:0], ["prompts"], layout="padded")["prompts"]
+    assert empty.values.shape == (0, 0) and empty.lengths.tolist() == []
+    dock.shutdown()
+
+
+def _kill_now(pid: int) -> None:
+    """SIGKILL an actor process and wait until it is gone (from inside a dock operation)."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGKILL)
+    wait_gone(pid)
+
+
+@pytest.mark.parametrize(
+    "victim,during,path",
+    [
+        ("warehouse", "put", "socket"),
+        ("warehouse", "fetch", "socket"),
+        ("controller", "put", "socket"),
+        ("controller", "fetch", "socket"),
+        ("warehouse", "put", "actor-calls"),
+        ("warehouse", "fetch", "actor-calls"),
+    ],
+)
+def test_faults_timed_inside_a_put_or_a_fetch(monkeypatch, victim, during, path):
+    """An actor killed inside a put or a fetch — same node: while it copies through the shared arenas
+    (after the reserve or locate, before the commit or unlease); actor calls: while it waits for the
+    actors' answers: the operation and every later call that needs the dead actor raise Unavailable or
+    Timeout within op_timeout; rows committed on the surviving warehouse stay intact and readable."""
+    import os
+
+    from msrl_core import _core
+    from msrl_core.dock import _client
+
+    dock = make_dock(path == "socket", op_timeout=10.0)
+    prompts = [np.arange(3) + i for i in range(8)]
+    rows = dock.put({"prompts": prompts})
+    wh = dock.warehouse_of(rows)
+    handle = dock._backend.warehouses[1] if victim == "warehouse" else dock._backend.controller
+    pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
+    module, name = (_core, "dock_copy_rows") if path == "socket" else (_client, "ray_get")
+    original = getattr(module, name)
+    fired = []
+
+    def kill_then_go_on(*args):
+        if not fired:
+            fired.append(True)
+            _kill_now(pid)
+        return original(*args)
+
+    monkeypatch.setattr(module, name, kill_then_go_on)
+    t0 = time.perf_counter()
+    if during == "put" or path == "actor-calls":
+        with pytest.raises((Unavailable, Timeout)):
+            if during == "put":
+                dock.put({"prompts": [np.arange(2)] * 8})
+            else:
+                dock.fetch(rows, ["prompts"])
+    else:  # the arenas stay mapped in this process: the copy completes; the unlease is lost
+        got = dock.fetch(rows, ["prompts"])
+        assert [got["prompts"][k].tolist() for k in range(8)] == [p.tolist() for p in prompts]
+    assert fired and time.perf_counter() - t0 < 10.0
+    monkeypatch.setattr(module, name, original)
+    later = [lambda: dock.put({"prompts": [np.arange(1)] * 8})]
+    if victim == "warehouse":
+        later.append(lambda: dock.fetch(rows[wh == 1], ["prompts"]))
+    else:
+        later += [lambda: dock.claim("gen", max_rows=4, timeout=5.0), lambda: dock.progress()]
+    for fn in later:
+        t0 = time.perf_counter()
+        with pytest.raises((Unavailable, Timeout)):
+            fn()
+        assert time.perf_counter() - t0 < 10.0 + 5.0
+    alive = rows[wh == 0]
+    b = dock.fetch(alive, ["prompts"])  # warehouse 0 survived: its committed rows are intact
+    src = {int(r): prompts[i] for i, r in enumerate(rows)}
+    assert [b["prompts"][k].tolist() for k in range(len(alive))] == [src[int(r)].tolist() for r in alive]
     dock.shutdown()

@@ -20,17 +20,7 @@ using dock::DType;
 
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-DType parse_dtype(const std::string& s) {
-  if (s == "bool") return DType::kBool;
-  if (s == "uint8") return DType::kUInt8;
-  if (s == "int32") return DType::kInt32;
-  if (s == "int64") return DType::kInt64;
-  if (s == "float16") return DType::kFloat16;
-  if (s == "bfloat16") return DType::kBFloat16;
-  if (s == "float32") return DType::kFloat32;
-  MSRL_THROW(kInvalidArgument, "unsupported dtype '", s,
-             "'; allowed: bool, uint8, int32, int64, float16, bfloat16, float32");
-}
+using dock::parse_dtype;
 
 // (name, dtype, ragged, inner_shape, arena_bytes)
 using ColumnTuple = std::tuple<std::string, std::string, bool, std::vector<int64_t>, int64_t>;
@@ -121,15 +111,19 @@ py::dict progress_dict(const dock::StageProgress& p) {
   return d;
 }
 
-// A pinned zero-copy span of one warehouse arena (DockCore::view). Exposes the bytes read-only through
-// the buffer protocol, so numpy arrays made from it keep it alive; unpins when the last one goes.
+// A pinned zero-copy span of one warehouse arena. Exposes the bytes read-only through the buffer
+// protocol, so numpy arrays made from it keep it alive; when the last one goes it unpins: through the
+// DockCore (local backend, DockCore::view) or by dropping `owner` (Ray backend: the owner is the client's
+// pin of a shared arena, which unpins in the warehouse when it goes).
 class DockView {
  public:
   DockView(py::object owner, dock::DockCore* core, const uint8_t* data, size_t nbytes)
       : owner_(std::move(owner)), core_(core), data_(data), nbytes_(nbytes) {}
   DockView(const DockView&) = delete;
   DockView& operator=(const DockView&) = delete;
-  ~DockView() { core_->unpin(); }
+  ~DockView() {
+    if (core_ != nullptr) core_->unpin();
+  }
   const uint8_t* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
 
@@ -146,6 +140,13 @@ void bind_dock(py::module_& m) {
   py::class_<DockView>(m, "DockView", py::buffer_protocol(),
                        "Read-only bytes of a warehouse arena (zero-copy fetch); pins its iteration: the dock's "
                        "reset() refuses while one is alive.")
+      .def(py::init([](py::object owner, uintptr_t address, size_t nbytes) {
+             return std::make_unique<DockView>(std::move(owner), nullptr, reinterpret_cast<const uint8_t*>(address),
+                                               nbytes);
+           }),
+           py::arg("owner"), py::arg("address"), py::arg("nbytes"),
+           "A view of `nbytes` at `address` inside memory that `owner` keeps mapped (a shared arena); "
+           "dropping the last reference drops `owner`.")
       .def_buffer([](DockView& v) {
         return py::buffer_info(const_cast<uint8_t*>(v.data()), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<ssize_t>(v.nbytes())}, {static_cast<ssize_t>(1)}, /*readonly=*/true);
@@ -454,6 +455,14 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("nbytes",
                              [](const dock::Reservation& r) { return to_array(std::vector<int64_t>(r.nbytes)); });
 
+  m.def(
+      "dock_dtypes",
+      [] {
+        std::vector<std::pair<std::string, size_t>> out;
+        for (const auto& t : dock::dtype_table()) out.emplace_back(t.name, t.size);
+        return out;
+      },
+      "The dock's dtype table: (name, bytes per element), in the native order (one table, both backends).");
   m.def(
       "dock_copy_rows",
       [](py::buffer dst, const I64Array& dst_offsets, py::buffer src, const I64Array& src_offsets,

@@ -9,30 +9,35 @@
 
 namespace msrl::dock {
 
-size_t dtype_size(DType d) {
-  switch (d) {
-    case DType::kBool: return 1;
-    case DType::kUInt8: return 1;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-    case DType::kFloat32: return 4;
+const std::vector<DTypeInfo>& dtype_table() {
+  static const std::vector<DTypeInfo> table = {
+      {DType::kBool, "bool", 1},       {DType::kUInt8, "uint8", 1},     {DType::kInt32, "int32", 4},
+      {DType::kInt64, "int64", 8},     {DType::kFloat16, "float16", 2}, {DType::kBFloat16, "bfloat16", 2},
+      {DType::kFloat32, "float32", 4},
+  };
+  return table;
+}
+
+namespace {
+const DTypeInfo& dtype_info(DType d) {
+  for (const auto& t : dtype_table()) {
+    if (t.code == d) return t;
   }
   MSRL_THROW(kInvalidArgument, "unknown dtype code ", static_cast<int>(d));
 }
+}  // namespace
 
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kBool: return "bool";
-    case DType::kUInt8: return "uint8";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat32: return "float32";
+size_t dtype_size(DType d) { return dtype_info(d).size; }
+
+const char* dtype_name(DType d) { return dtype_info(d).name; }
+
+DType parse_dtype(const std::string& name) {
+  std::string allowed;
+  for (const auto& t : dtype_table()) {
+    if (name == t.name) return t.code;
+    allowed += (allowed.empty() ? "" : ", ") + std::string(t.name);
   }
-  return "unknown";
+  MSRL_THROW(kInvalidArgument, "unsupported dtype '", name, "'; allowed: ", allowed);
 }
 
 size_t ColumnSpec::item_bytes() const {

@@ -19,8 +19,16 @@
 namespace msrl::dock {
 
 enum class DType : int { kBool = 0, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kUInt8 };
+// The one dtype table of the dock (both backends; Python builds its own names and storage from it).
+struct DTypeInfo {
+  DType code;
+  const char* name;
+  size_t size;
+};
+const std::vector<DTypeInfo>& dtype_table();
 size_t dtype_size(DType d);
 const char* dtype_name(DType d);
+DType parse_dtype(const std::string& name);  // kInvalidArgument naming the allowed ones
 
 struct ColumnSpec {
   std::string name;

@@ -6,9 +6,11 @@ the same-node fast path on a :class:`msrl_core.dock._wire.Server` (same uid only
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -16,12 +18,31 @@ import numpy as np
 from msrl_core import _core
 from msrl_core.dock._types import _STORAGE
 from msrl_core.dock._wire import Server
-from msrl_core.errors import InvalidArgument, OutOfMemory
+from msrl_core.errors import InvalidArgument, MsrlError, OutOfMemory, Timeout, Unavailable
 
 try:
     import ray
 except ImportError:  # pragma: no cover - optional dependency
     ray = None  # type: ignore[assignment]
+
+
+# A put that starts while a reset() is in flight waits this long for it to end (a reset takes ms).
+RESET_WAIT_S = 30.0
+
+
+def ray_get(refs: Any, what: str, timeout: float) -> Any:
+    """ray.get with the dock's errors: Timeout, Unavailable (dead actor), the actor's own MsrlError."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise Timeout(f"{what} did not answer within {timeout} s") from None
+    except ray.exceptions.RayActorError as e:
+        raise Unavailable(f"{what} actor died: {e}") from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
+        if isinstance(cause, MsrlError):
+            raise cause from None
+        raise MsrlError(f"{what} failed: {type(cause or e).__name__}: {cause or e}") from None
 
 
 def wire_options() -> dict[str, Any]:
@@ -62,7 +83,11 @@ def process_diagnostics(server: Server | None) -> dict[str, Any]:
 
 
 class ControllerState:
-    """Per-stage native controllers and the row allocator; lives in the controller actor."""
+    """Per-stage native controllers and the row allocator; lives in the controller actor.
+
+    It also serialises reset() against puts: every put is registered from its allocate/check_put to its
+    mark_ready (or free/end_put), reset() refuses while one is registered and holds new ones back while
+    it resets the warehouses and the controllers, so a row is either wholly before or wholly after it."""
 
     def __init__(
         self,
@@ -100,13 +125,51 @@ class ControllerState:
         self.closed = False
         # Dock-wide operation counters (every client's), as DockCore's op_stats: count and rows.
         self.ops = {op: {"count": 0, "rows": 0} for op in ("put", "claim")}
+        self.gate = threading.Condition()  # guards puts, next_put, resetting
+        self.puts: set[int] = set()  # ids of the puts in flight
+        self.next_put = 0
+        self.resetting = False
+
+    # puts in flight
+    def _begin_put(self) -> int:
+        with self.gate:
+            deadline = time.monotonic() + RESET_WAIT_S
+            while self.resetting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"put waited {RESET_WAIT_S:g} s for a reset() in flight; nothing stored")
+                self.gate.wait(left)
+            self.next_put += 1
+            self.puts.add(self.next_put)
+            return self.next_put
+
+    def _check_put_id(self, put_id: int) -> None:
+        with self.gate:
+            if put_id not in self.puts:
+                raise InvalidArgument(
+                    "this put was abandoned by reset(force=True) before it was published; nothing was "
+                    "published (put again)"
+                )
+
+    def end_put(self, put_id: int) -> None:
+        with self.gate:
+            self.puts.discard(put_id)
 
     # allocation
-    def allocate(self, n: int) -> np.ndarray:
+    def allocate(self, n: int) -> tuple[np.ndarray, int]:
+        """Rows for a put of n new rows and the put's id (pass it to mark_ready, or free on failure)."""
         g = self.group_size
         if n <= 0 or n % g:
             raise InvalidArgument(f"a put of new rows must hold whole groups of {g} rows, got {n} rows")
-        want = n // g
+        put_id = self._begin_put()
+        try:
+            return self._allocate(n // g), put_id
+        except BaseException:
+            self.end_put(put_id)
+            raise
+
+    def _allocate(self, want: int) -> np.ndarray:
+        g, n = self.group_size, want * self.group_size
         with self.lock:
             free = len(self.returned) + len(self.free_order) - self.next_free
             if want > free:
@@ -124,7 +187,13 @@ class ControllerState:
             self.allocated[groups] = True
         return (groups[:, None] * g + np.arange(g)[None, :]).reshape(-1)
 
-    def free(self, rows: np.ndarray) -> None:
+    def free(self, rows: np.ndarray, put_id: int = 0) -> None:
+        """Gives back the rows of a failed put of new rows (unless a forced reset freed them already)."""
+        with self.gate:
+            live = put_id in self.puts
+            self.puts.discard(put_id)
+        if not live:
+            return
         groups = np.unique(rows // self.group_size)
         with self.lock:
             self.allocated[groups] = False
@@ -138,11 +207,18 @@ class ControllerState:
                 f"iteration {current}"
             )
 
-    def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> None:
-        """Before a put into rows: current iteration, allocated, and still held by the claim if any."""
-        self.check_allocated(rows, epoch)
-        if stage >= 0 and claim_id:
-            self.controllers[stage].check_held(rows, claim_id)
+    def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> int:
+        """Before a put into rows: current iteration, allocated, and still held by the claim if any.
+        Returns the put's id (pass it to mark_ready, or end_put on failure)."""
+        put_id = self._begin_put()
+        try:
+            self.check_allocated(rows, epoch)
+            if stage >= 0 and claim_id:
+                self.controllers[stage].check_held(rows, claim_id)
+        except BaseException:
+            self.end_put(put_id)
+            raise
+        return put_id
 
     def check_allocated(self, rows: np.ndarray, epoch: int = -1) -> None:
         self.check_epoch(epoch)
@@ -163,10 +239,20 @@ class ControllerState:
         lengths: np.ndarray | None = None,
         stage: int = -1,
         claim_id: int = 0,
+        put_id: int = 0,
     ) -> None:
         """Publishes a put: lengths are the row lengths of the length column, when it is among
         `columns`; then completes the putting claim (stage, claim_id) or, for plain row ids, the claims
         of the stages that wrote the columns (Controller.complete_by_put: the one rule)."""
+        self._check_put_id(put_id)  # registered: no reset can start before end_put below
+        try:
+            self._publish(columns, rows, lengths, stage, claim_id)
+        finally:
+            self.end_put(put_id)
+
+    def _publish(
+        self, columns: list[int], rows: np.ndarray, lengths: np.ndarray | None, stage: int, claim_id: int
+    ) -> None:
         for c in columns:
             lens = lengths if c == self.length_column else None
             for ctl in self.controllers:
@@ -205,7 +291,51 @@ class ControllerState:
     def progress(self, stage: int) -> dict:
         return self.controllers[stage].progress()
 
-    def reset(self, keep_unfinished: bool = False) -> tuple[int, np.ndarray]:
+    def reset(
+        self,
+        keep_unfinished: bool = False,
+        force: bool = False,
+        warehouses: list[Any] | None = None,
+        op_timeout: float = 60.0,
+    ) -> np.ndarray:
+        """The dock's reset, atomic against puts: refuses (nothing changed) while a put is in flight
+        (force: abandons them) or another reset runs; holds new puts back while it prepares every
+        warehouse (each refuses while fetches, puts or views are in flight there, and then refuses new
+        ones: all or none), resets the controllers and then the warehouses (the client's handles; each
+        answer within op_timeout). Returns the kept rows."""
+        handles = list(warehouses or [])
+        with self.gate:
+            if self.resetting:
+                raise InvalidArgument("reset() while another reset is in flight; nothing was reset")
+            if self.puts and not force:
+                n = len(self.puts)
+                raise InvalidArgument(f"reset() while {n} put(s) are in flight; nothing was reset")
+            self.resetting = True
+            self.puts.clear()  # (force) abandoned: their mark_ready refuses, their free does nothing
+        try:
+            refs = [h.prepare_reset.remote(force) for h in handles]
+            failed: BaseException | None = None
+            for w, ref in enumerate(refs):  # every answer: all warehouses prepared, or none stays so
+                try:
+                    ray_get(ref, f"warehouse {w}", op_timeout)
+                except BaseException as e:  # noqa: BLE001 - the first is raised below
+                    failed = failed or e
+            if failed is not None:
+                for w, h in enumerate(handles):  # before answering: no put or fetch sees a freeze
+                    with contextlib.suppress(MsrlError):
+                        ray_get(h.cancel_reset.remote(), f"warehouse {w}", op_timeout)
+                raise failed
+            epoch, kept = self._reset_controllers(keep_unfinished)
+            wh = self.group_warehouse[kept // self.group_size]
+            refs = [h.reset.remote(epoch, kept[wh == w]) for w, h in enumerate(handles)]
+            ray_get(refs, "warehouses", op_timeout)
+            return kept
+        finally:
+            with self.gate:
+                self.resetting = False
+                self.gate.notify_all()
+
+    def _reset_controllers(self, keep_unfinished: bool) -> tuple[int, np.ndarray]:
         """Next iteration; blocked claims keep waiting. Returns the new epoch and the kept rows.
         keep_unfinished: groups not *finished* (completed by every stage: Controller.group_completed,
         the rule DockCore applies too) keep their readiness and completed claims; new puts skip them."""
@@ -239,6 +369,7 @@ class ControllerState:
             "free": self.free,
             "check_allocated": self.check_allocated,
             "check_put": self.check_put,
+            "end_put": self.end_put,
             "complete": self.complete,
             "release": self.release,
         }
@@ -275,10 +406,13 @@ class WarehouseActor:
     copy straight out of it (locate -> copy -> unlease), with no Ray object-store copies."""
 
     def __init__(self, wid: int, row_begin: int, num_rows: int, columns: list[tuple], shared: bool = True):
+        self.wid = wid
         self.epoch = 0
         self.lock = threading.Lock()
         self.pending: dict[int, Any] = {}  # reservation id -> reservations of a client put
         self.leases: dict[int, int] = {}  # lease id -> epoch, fetches copying out of the arenas now
+        self.pins: set[int] = set()  # lease ids of fetches whose zero-copy views are alive in a client
+        self.frozen = False  # between prepare_reset and reset: new puts and fetches are refused
         self.next_id = 0
         self.fds: list[int] = []
         self.maps: list[Any] = []
@@ -313,6 +447,10 @@ class WarehouseActor:
         return process_diagnostics(self.server)
 
     def _check_epoch(self, epoch: int) -> None:
+        if self.frozen:
+            raise InvalidArgument(
+                f"warehouse {self.wid}: the dock is being reset; nothing was read or stored (retry after it)"
+            )
         if epoch >= 0 and epoch != self.epoch:
             raise InvalidArgument(
                 f"stale claim: its rows are from iteration {epoch} but the dock was reset and is at "
@@ -347,17 +485,26 @@ class WarehouseActor:
             if res is not None:
                 self.wh.abort(res)
 
-    def locate(self, cids: list[int], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
+    def locate(
+        self, cids: list[int], rows: np.ndarray, epoch: int, pin: bool = False
+    ) -> tuple[int, list[tuple]]:
+        """Byte offsets and item counts of the rows in each column's arena, under a lease that keeps
+        reset() out until unlease(lid). pin: the client keeps zero-copy views of these bytes (the lease
+        lives as long as they do; reset() names them)."""
         with self.lock:
             self._check_epoch(epoch)
             out = [self.wh.locate(c, rows) for c in cids]
             self.next_id += 1
-            self.leases[self.next_id] = self.epoch
+            if pin:
+                self.pins.add(self.next_id)
+            else:
+                self.leases[self.next_id] = self.epoch
             return self.next_id, out
 
     def unlease(self, lid: int) -> None:
         with self.lock:
             self.leases.pop(lid, None)
+            self.pins.discard(lid)
 
     # -- Ray path (other nodes, or no shared memory) --
 
@@ -392,23 +539,38 @@ class WarehouseActor:
     def bytes_held(self) -> int:
         return self.wh.bytes_held()
 
-    def check_idle(self) -> None:
-        with self.lock:
-            self._check_idle()
+    # -- reset, in two phases driven by the controller (ControllerState.reset) --
 
-    def reset(self, epoch: int, force: bool = False, keep_rows: np.ndarray | None = None) -> None:
-        """keep_rows (partial reset): rows of this warehouse that stay, their bytes compacted."""
+    def prepare_reset(self, force: bool = False) -> None:
+        """Refuses while puts, fetches or zero-copy views are in flight here (force: abandons them);
+        then refuses new ones until reset() or cancel_reset()."""
         with self.lock:
             if force:  # puts and fetches of clients that died (or are still running) are abandoned
                 for res in self.pending.values():
                     self.wh.abort(res)
                 self.pending.clear()
                 self.leases.clear()
+                self.pins.clear()  # views of a reader that died; live ones would see the next iteration
             self._check_idle()
+            self.frozen = True
+
+    def cancel_reset(self) -> None:
+        with self.lock:
+            self.frozen = False
+
+    def reset(self, epoch: int, keep_rows: np.ndarray | None = None) -> None:
+        """keep_rows (partial reset): rows of this warehouse that stay, their bytes compacted."""
+        with self.lock:
             self.wh.reset(None if keep_rows is None or not len(keep_rows) else keep_rows)
             self.epoch = epoch
+            self.frozen = False
 
     def _check_idle(self) -> None:
+        if self.pins:
+            raise InvalidArgument(
+                f"reset() while zero-copy fetch views of {len(self.pins)} fetch(es) are alive (arrays "
+                "from fetch(copy=False) or take(copy=False)); drop them first; nothing was reset"
+            )
         if self.leases or self.pending:
             raise InvalidArgument(
                 f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "

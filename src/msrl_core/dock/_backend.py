@@ -1,7 +1,8 @@
 """The contract every dock backend implements (Dock talks to backends only through it).
 
 Capability flags say what a backend can do, so Dock never branches on a backend's name: ``views``
-(zero-copy ``fetch(copy=False)``), ``picklable`` (a handle can be sent to another process).
+(zero-copy ``fetch(copy=False)``: ``fetch_views`` gives ``(values, lengths, is_view)`` per column),
+``picklable`` (a handle can be sent to another process).
 Arguments are numpy: ``inputs`` are ``(column id, values, lengths or None)``; ``epoch`` and ``claim_id``
 come from a Claim (``-1`` / ``0`` for plain row ids: unchecked).
 """
@@ -32,9 +33,10 @@ class Backend(Protocol):
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]: ...
-    def fetch_view(
-        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
-    ) -> tuple[np.ndarray, Any, bool]: ...
+    def fetch_views(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int = -1
+    ) -> list[tuple]: ...
+    def live_views(self) -> int: ...
     def warehouse_of(self, rows: np.ndarray) -> np.ndarray: ...
     def progress(self, stage: int) -> dict: ...
     def warehouse_status(self) -> list[dict[str, Any]]: ...

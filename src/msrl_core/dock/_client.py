@@ -13,8 +13,10 @@ calls.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import queue
 import threading
 import weakref
 from typing import Any
@@ -22,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
-from msrl_core.dock._actors import ControllerActor, WarehouseActor
+from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
 
 try:
     import ray
@@ -51,9 +53,66 @@ class _ThreadConns:
         self.close()
 
 
+class _Pin:
+    """One fetch's zero-copy views of a warehouse's shared arenas (held by their DockViews): keeps the
+    client's arena mappings alive and, when the last view goes, asks the warehouse to drop its pin."""
+
+    __slots__ = ("unpinner", "w", "lid", "arenas")
+
+    def __init__(self, unpinner: _Unpinner, w: int, lid: int, arenas: list[np.ndarray]):
+        self.unpinner, self.w, self.lid, self.arenas = unpinner, w, lid, arenas
+
+    def __del__(self) -> None:
+        self.unpinner.unpin(self.w, self.lid)
+
+
+class _Unpinner:
+    """Sends the warehouses the unpins of dead views. A view dies in any thread (the GC's included,
+    maybe in the middle of a call on that thread's connection), so `unpin` only queues (deque.append and
+    SimpleQueue.put are reentrant); a daemon thread, and `flush` before a reset, send them. Popping and
+    sending happen under one lock, so after `flush` every view dead before it is unpinned."""
+
+    def __init__(self, backend: RayBackend):
+        self.items: collections.deque[tuple[int, int]] = collections.deque()
+        self.wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.backend = weakref.ref(backend)
+        self.thread: threading.Thread | None = None
+        self.live = 0  # pins made and not yet unpinned
+
+    def pin(self, w: int, lid: int, arenas: list[np.ndarray]) -> _Pin:
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="msrl-dock-unpin", daemon=True)
+                self.thread.start()
+            self.live += 1
+        return _Pin(self, w, lid, arenas)
+
+    def unpin(self, w: int, lid: int) -> None:
+        self.items.append((w, lid))
+        self.wake.put(True)
+
+    def flush(self) -> None:
+        with self.lock:
+            while self.items:
+                w, lid = self.items.popleft()
+                self.live -= 1
+                backend = self.backend()
+                if backend is not None:
+                    with contextlib.suppress(MsrlError):  # a dead warehouse holds no pins any more
+                        backend._wh(w, "unlease", lid)
+
+    def _run(self) -> None:
+        while self.wake.get():
+            self.flush()
+
+    def stop(self) -> None:
+        self.wake.put(None)
+
+
 class RayBackend:
     name = "ray"
-    views = False  # zero-copy views of the shared arenas: not built for Ray yet
+    views = True  # zero-copy views of the shared arenas (same node; other columns come back copied)
     picklable = True
 
     def __init__(
@@ -87,6 +146,8 @@ class RayBackend:
         self._arena_lock = threading.Lock()
         self.balance_by = balance_by
         self.length_column = list(columns).index(balance_by) if balance_by else -1
+        self._unpinner = _Unpinner(self)
+        self._unpin_stop = weakref.finalize(self, self._unpinner.stop)
         if _handles is not None:  # unpickled in another process
             self.controller, self.warehouses, self.endpoint, self.wh_endpoints, self.group_warehouse = (
                 _handles
@@ -148,17 +209,7 @@ class RayBackend:
     # -- plumbing --
 
     def _get(self, refs: Any, what: str, timeout: float | None = None) -> Any:
-        try:
-            return ray.get(refs, timeout=timeout if timeout is not None else self.op_timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise Timeout(f"{what} did not answer within {timeout or self.op_timeout} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise Unavailable(f"{what} actor died: {e}") from None
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
-            if isinstance(cause, MsrlError):
-                raise cause from None
-            raise MsrlError(f"{what} failed: {type(cause or e).__name__}: {cause or e}") from None
+        return ray_get(refs, what, timeout if timeout is not None else self.op_timeout)
 
     def _node_id(self) -> str:
         if self._node is None:
@@ -276,7 +327,9 @@ class RayBackend:
         for w, rid in reserved:
             self._wh(w, "commit", rid)
 
-    def _fetch_shared(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int) -> list[tuple]:
+    def _fetch_shared(
+        self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int, layout: str = "packed"
+    ) -> list[tuple]:
         """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
         parts = self._split(rows)
         cids = [cid for cid, _ in cols]
@@ -289,39 +342,74 @@ class RayBackend:
                 located.append(locs)
             out = []
             for k, (cid, col) in enumerate(cols):
-                lengths = np.empty(len(rows), dtype=np.int64)
-                for (_, pos), locs in zip(parts, located):
-                    lengths[pos] = locs[k][1]
-                item = col.item_bytes
-                row_bytes = lengths * item
-                dst_offs = np.zeros(len(rows), dtype=np.int64)
-                np.cumsum(row_bytes[:-1], out=dst_offs[1:])
-                total = int(lengths.sum())
-                if col.ragged:
-                    arr = np.empty((total, *col.shape), dtype=col.storage_dtype)
-                else:
-                    arr = np.empty((len(rows), *col.shape), dtype=col.storage_dtype)
-                flat = arr.reshape(-1).view(np.uint8)
-                for (w, pos), locs in zip(parts, located):
-                    _core.dock_copy_rows(
-                        flat, dst_offs[pos], self._arenas(w)[cid], locs[k][0], row_bytes[pos]
-                    )
-                out.append((arr, lengths if col.ragged else None))
+                pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(parts, located)]
+                out.append(_copy_out(col, len(rows), pieces, layout == "padded"))
             return out
         finally:
             for w, lid in leases:
                 with contextlib.suppress(MsrlError):
                     self._wh(w, "unlease", lid)
 
+    def fetch_views(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
+        """Packed (values, lengths or None, is_view) per column. Same node, rows in one warehouse: a
+        column whose rows' bytes lie back to back in the arena is a read-only view of the shared arena
+        (no copy), pinned in the warehouse until its last array goes (reset() refuses meanwhile); other
+        columns are copied out of the arena. Otherwise (rows in several warehouses, other nodes): copies."""
+        wh = self.warehouse_of(rows)
+        if not len(rows) or not self._shared() or (wh != wh[0]).any():
+            return [(a, lens, False) for a, lens in self.fetch_many(cols, rows, "packed", epoch)]
+        w = int(wh[0])
+        arenas = self._arenas(w)
+        lid, located = self._wh(w, "locate", [cid for cid, _ in cols], rows, epoch, True)
+        pin: _Pin | None = None
+        span: Any = None
+        arr: Any = None
+        out: list[tuple] = []
+        try:
+            for (cid, col), (offs, lengths) in zip(cols, located):
+                nbytes = lengths * col.item_bytes
+                total = int(nbytes.sum())
+                if total and (offs[1:] == offs[:-1] + nbytes[:-1]).all():
+                    if pin is None:
+                        pin = self._unpinner.pin(w, lid, arenas)
+                    span = _core.DockView(pin, arenas[cid].ctypes.data + int(offs[0]), total)
+                    items = int(lengths.sum()) if col.ragged else len(rows)
+                    arr = np.frombuffer(memoryview(span), dtype=col.storage_dtype).reshape(items, *col.shape)
+                    out.append((arr, lengths if col.ragged else None, True))
+                else:
+                    arr, lens = _copy_out(col, len(rows), [(slice(None), arenas[cid], (offs, lengths))])
+                    out.append((arr, lens, False))
+            return out
+        except BaseException:
+            out.clear()  # the traceback keeps this frame: nothing may stay pinned through it
+            pin = span = arr = None
+            raise
+        finally:
+            if pin is None:  # nothing viewed: the lease ends now
+                with contextlib.suppress(MsrlError):
+                    self._wh(w, "unlease", lid)
+
+    def live_views(self) -> int:
+        """Fetches of this client whose zero-copy views are alive."""
+        self._unpinner.flush()
+        return self._unpinner.live
+
     def _put_rows(
-        self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+        self,
+        inputs: list[tuple],
+        rows: np.ndarray,
+        put_id: int,
+        epoch: int = -1,
+        stage: int = -1,
+        claim_id: int = 0,
     ) -> None:
+        """Stores and publishes a put the controller registered as put_id (a reset waits for it)."""
         if self._shared():
             self._put_shared(inputs, rows, epoch)
         else:
             self._put_actor_calls(inputs, rows, epoch)
         lengths = _lengths_of(inputs, self.length_column)
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id)
+        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id, put_id)
 
     def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
         parts = self._split(rows)
@@ -356,19 +444,25 @@ class RayBackend:
             raise errors[0]
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
-        rows = self._ctl("allocate", n)
+        rows, put_id = self._ctl("allocate", n)
         try:
-            self._put_rows(inputs, rows)
+            self._put_rows(inputs, rows, put_id)
         except BaseException:
-            self._ctl("free", rows)
+            with contextlib.suppress(MsrlError):  # e.g. the controller died: nothing to give back
+                self._ctl("free", rows, put_id)
             raise
         return rows
 
     def put(
         self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
     ) -> None:
-        self._ctl("check_put", rows, epoch, stage, claim_id)
-        self._put_rows(inputs, rows, epoch, stage, claim_id)
+        put_id = self._ctl("check_put", rows, epoch, stage, claim_id)
+        try:
+            self._put_rows(inputs, rows, put_id, epoch, stage, claim_id)
+        except BaseException:
+            with contextlib.suppress(MsrlError):
+                self._ctl("end_put", put_id)
+            raise
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
@@ -388,56 +482,27 @@ class RayBackend:
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]:
-        """One request per involved warehouse for all columns; answers are concatenated in row order."""
+        """One request per involved warehouse for all columns; answers are gathered in row order (and
+        padded) by the native copy engine, as the same-node path copies out of the arenas."""
         if self._shared():
-            shared = self._fetch_shared(cols, rows, epoch)
-            return [self._pad(arr, lengths, col, layout) for (arr, lengths), (_, col) in zip(shared, cols)]
+            return self._fetch_shared(cols, rows, epoch, layout)  # padded straight out of the arenas
         parts = self._split(rows)
         specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
         refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
         got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(parts, refs)]
-        order = np.concatenate([pos for _, pos in parts]) if parts else np.empty(0, np.int64)
-        inv = None
-        if (np.diff(order) < 0).any():  # rows were not grouped by warehouse: restore the caller's order
-            inv = np.empty_like(order)
-            inv[order] = np.arange(len(order))
         results: list[tuple] = []
         for k, (_, col) in enumerate(cols):
-            pieces = [g[k] for g in got]
-            lengths: Any
-            if not pieces:
-                arr = np.empty((0, *col.shape), dtype=col.storage_dtype)
-                lengths = np.empty(0, np.int64) if col.ragged else None
-            elif len(pieces) == 1:
-                arr, lengths = pieces[0]
-            else:
-                arr = np.concatenate([a for a, _ in pieces])
-                lengths = np.concatenate([x for _, x in pieces]) if col.ragged else None
-            if inv is not None:
-                if col.ragged:
-                    offs = np.zeros(len(lengths) + 1, dtype=np.int64)
-                    np.cumsum(lengths, out=offs[1:])
-                    arr = np.concatenate([arr[offs[i] : offs[i + 1]] for i in inv])
-                    lengths = lengths[inv]
-                else:
-                    arr = arr[inv]
-            results.append(self._pad(arr, lengths, col, layout))
+            if len(got) == 1 and not (col.ragged and layout == "padded"):  # one warehouse's answer as is
+                results.append(got[0][k])
+                continue
+            # Several warehouses (their answers in the caller's row order) or padding: one native copy.
+            pieces = []
+            for (_, pos), g in zip(parts, got):
+                arr, lens = g[k]
+                lens = np.ones(len(pos), np.int64) if lens is None else lens
+                pieces.append((pos, arr.reshape(-1).view(np.uint8), _packed_offsets(col, lens)))
+            results.append(_copy_out(col, len(rows), pieces, layout == "padded"))
         return results
-
-    @staticmethod
-    def _pad(arr: np.ndarray, lengths: Any, col: Column, layout: str) -> tuple:
-        if col.ragged and layout == "padded":
-            width = int(lengths.max()) if len(lengths) else 0
-            mask = np.arange(width)[None, :] < lengths[:, None]
-            padded = np.zeros((len(lengths), width, *col.shape), dtype=col.storage_dtype)
-            padded[mask] = arr
-            arr = padded
-        return arr, lengths
-
-    def fetch_view(
-        self, cid: int, col: Column, rows: np.ndarray, epoch: int = -1
-    ) -> tuple[np.ndarray, Any, bool]:
-        raise Unsupported("zero-copy views (fetch(copy=False)) are not built for the ray backend")
 
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
@@ -464,16 +529,10 @@ class RayBackend:
         self._ctl("complete", stage, rows, epoch, claim_id)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
-        # Refuse before touching anything while a same-node put or fetch is in flight (a put or fetch
-        # starting between this check and the warehouse resets can still make one of them refuse).
-        if not force:
-            self._get([h.check_idle.remote() for h in self.warehouses], "warehouses")
-        epoch, kept = self._get(self.controller.call.remote("reset", keep_unfinished), "controller")
-        per_wh = {w: kept[pos] for w, pos in self._split(kept)}
-        empty = np.empty(0, np.int64)
-        refs = [h.reset.remote(epoch, force, per_wh.get(w, empty)) for w, h in enumerate(self.warehouses)]
-        self._get(refs, "warehouses")
-        return kept
+        # One controller call, atomic against puts (ControllerState.reset); views dropped here unpin first.
+        self._unpinner.flush()
+        ref = self.controller.call.remote("reset", keep_unfinished, force, self.warehouses, self.op_timeout)
+        return self._get(ref, "controller", 3 * self.op_timeout)  # it waits on the warehouses twice
 
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):
@@ -481,10 +540,43 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Kills the actors of this dock."""
+        self._unpin_stop()
         _close_all(self._threads)
         for h in [self.controller, *self.warehouses]:
             with contextlib.suppress(Exception):  # already dead, or Ray shutting down: nothing to kill
                 ray.kill(h)
+
+
+def _packed_offsets(col: Column, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offsets, item counts) of the rows of a packed array of one column."""
+    offs = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1] * col.item_bytes, out=offs[1:])
+    return offs, lengths
+
+
+def _copy_out(
+    col: Column, n: int, pieces: list[tuple], padded: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Copy of n rows of one column out of byte arenas (the warehouses' shared ones, or a packed array),
+    through the native copy engine: pieces are (positions among the n rows, arena, (byte offsets, item
+    counts) of those rows). Packed, or (ragged, padded) [n, longest row, ...] with zeros after each row."""
+    lengths = np.empty(n, dtype=np.int64)
+    for pos, _, (_, lens) in pieces:
+        lengths[pos] = lens
+    row_bytes = lengths * col.item_bytes
+    if padded and col.ragged:
+        width = int(lengths.max()) if n else 0
+        arr = np.zeros((n, width, *col.shape), dtype=col.storage_dtype)
+        dst_offs = np.arange(n, dtype=np.int64) * (width * col.item_bytes)
+    else:
+        dst_offs = np.zeros(n, dtype=np.int64)
+        np.cumsum(row_bytes[:-1], out=dst_offs[1:])
+        items = int(lengths.sum()) if col.ragged else n
+        arr = np.empty((items, *col.shape), dtype=col.storage_dtype)
+    flat = arr.reshape(-1).view(np.uint8)
+    for pos, arena, (offs, _) in pieces:
+        _core.dock_copy_rows(flat, dst_offs[pos], arena, offs, row_bytes[pos])
+    return arr, (lengths if col.ragged else None)
 
 
 def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:

@@ -282,10 +282,11 @@ class Dock:
         ``TensorDict`` with batch size ``[n]`` instead of a Batch: dense columns as torch tensors, ragged
         ones padded (whatever ``layout``) with a bool ``<name>_mask``; keep the Claim to put back.
 
-        ``copy=False`` (local backend, packed layout, numpy or torch output): a column whose rows' bytes
-        lie back to back in one warehouse arena comes back as a zero-copy view of the arena (read-only
-        numpy array; torch tensor that must not be written) and is named in ``batch.views``; any other
-        column is one packed copy as usual. While any view is alive ``reset()`` raises InvalidArgument
+        ``copy=False`` (packed layout, numpy or torch output; local backend, or Ray on the warehouse's
+        node): a column whose rows' bytes lie back to back in one warehouse arena comes back as a
+        zero-copy view of the arena (read-only numpy array; torch tensor that must not be written) and is
+        named in ``batch.views``; any other column (rows in several warehouses; Ray from another node)
+        is one packed copy as usual. While any view is alive ``reset()`` raises InvalidArgument
         (nothing changed): drop the views (and tensors made from them) first.
 
         ``device`` (e.g. ``"cuda:0"``, needs ``output='torch'``): values are copied host->device through
@@ -301,15 +302,8 @@ class Dock:
         if copy or len(rows) == 0:
             got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
         else:
-            got = []
-            try:
-                for name, (cid, col) in zip(columns, specs):
-                    got.append(self._backend.fetch_view(cid, col, rows, epoch_of(meta)))
-                    if got[-1][2]:
-                        views.add(name)
-            except BaseException:
-                got.clear()  # views of earlier columns must not stay pinned by the traceback
-                raise
+            got = self._backend.fetch_views(specs, rows, epoch_of(meta))
+            views = {name for name, g in zip(columns, got) if g[2]}
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
             val = to_output(arr, col, "torch" if as_td else output, share=name in views)
@@ -339,7 +333,7 @@ class Dock:
         if not copy:
             if not self._backend.views:
                 raise Unsupported(
-                    f"fetch(copy=False) (zero-copy views) is local-backend only; this dock's backend is "
+                    f"fetch(copy=False) (zero-copy views) is not built for this dock's backend "
                     f"{self.backend!r}: fetch with copy=True"
                 )
             if layout != "packed" or output == "tensordict":
@@ -372,15 +366,16 @@ class Dock:
         layout: str = "packed",
         output: str | None = None,
         device: Any = None,
+        copy: bool = True,
     ) -> Batch:
         """claim + fetch in one call; ``batch.rows`` are the claimed rows. Arguments are checked before
         claiming, and a fetch that fails after the claim (e.g. a column not ready) releases it: an error
-        leaves nothing claimed."""
+        leaves nothing claimed. ``copy=False``: zero-copy views as in ``fetch``."""
         self._sid(stage)
-        columns, layout, output = self._fetch_args(stage, columns, layout, output, True, device)
+        columns, layout, output = self._fetch_args(stage, columns, layout, output, copy, device)
         meta = self.claim(stage, max_rows, timeout=timeout, min_rows=min_rows, max_items=max_items)
         try:
-            return self.fetch(meta, columns, layout, output, device=device)
+            return self.fetch(meta, columns, layout, output, copy=copy, device=device)
         except BaseException:
             if len(meta):
                 with contextlib.suppress(MsrlError):
@@ -393,8 +388,9 @@ class Dock:
         ``fetch(copy=False)`` are alive (the message says how many). Claims blocked in ``claim`` keep
         waiting and get the next iteration's rows; a Claim or Batch from before the reset is stale and
         a put, fetch or release with it raises InvalidArgument instead of touching the new rows.
-        ``force=True`` (Ray backend) abandons same-node puts and fetches still registered in the
-        warehouses, e.g. of a worker that died between reserving and committing; their commits fail.
+        On Ray a reset is atomic against puts: a racing put's rows are wholly before or wholly after it.
+        ``force=True`` (Ray backend) abandons puts, fetches and views still registered (e.g. of a worker
+        that died between reserving and committing); their commits or publications fail.
 
         ``keep_unfinished=True`` (partial rollout): only *finished* groups — claimed by every stage —
         are freed. Unfinished groups stay in the dock with their rows, written columns and readiness,

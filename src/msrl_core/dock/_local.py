@@ -96,6 +96,16 @@ class LocalBackend:
         arr = np.frombuffer(memoryview(view), dtype=col.storage_dtype).reshape(items, *col.shape)
         return arr, (lengths if col.ragged else None), True
 
+    def fetch_views(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
+        out = []
+        try:
+            for cid, col in cols:
+                out.append(self.fetch_view(cid, col, rows, epoch))
+        except BaseException:
+            out.clear()  # views of earlier columns must not stay pinned by the traceback
+            raise
+        return out
+
     def live_views(self) -> int:
         return self._core.live_views
 

@@ -13,21 +13,27 @@ from typing import Any, Union
 
 import numpy as np
 
+from msrl_core import _core
 from msrl_core.dock import _device
 from msrl_core.errors import InvalidArgument
 
 MAX_WAIT_S = 365 * 86400.0  # claim timeouts are clamped to a year: no deadline overflows anywhere
-DTYPES = ("bool", "uint8", "int32", "int64", "float16", "bfloat16", "float32")
-# numpy storage dtype of each column dtype (bfloat16 is stored as its 16 raw bits)
-_STORAGE = {
-    "bool": np.dtype(np.bool_),
-    "uint8": np.dtype(np.uint8),
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(np.int16),
-    "float32": np.dtype(np.float32),
-}
+
+
+def _storage_table() -> dict[str, np.dtype]:
+    """numpy storage dtype of each column dtype of the native table (_core.dock_dtypes, the one dtype
+    table of both backends); bfloat16 is stored as its 16 raw bits."""
+    table = {}
+    for name, size in _core.dock_dtypes():
+        dt = np.dtype(np.int16) if name == "bfloat16" else np.dtype(name)
+        if dt.itemsize != size:
+            raise ImportError(f"dtype {name}: numpy stores {dt.itemsize} bytes, the native table {size}")
+        table[name] = dt
+    return table
+
+
+_STORAGE = _storage_table()
+DTYPES = tuple(_STORAGE)
 
 
 def _torch() -> Any:
