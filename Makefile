@@ -56,11 +56,9 @@ build-bench: venv
 cpp-test: build-tests
 	ctest --test-dir build/tests --output-on-failure -j $(JOBS)
 
-# One retry: LeakSanitizer's stop-the-world tracer itself crashed once ("Tracer caught signal 11") after a
-# test had passed, on a machine at load average ~28; 30 reruns of that test passed. A real failure fails twice.
 cpp-asan: build-asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --test-dir build/asan --output-on-failure -j $(JOBS) --repeat until-pass:2
+	  ctest --test-dir build/asan --output-on-failure -j $(JOBS)
 
 # ThreadSanitizer over the concurrent parts: streams and events, the pool, the engine, the dock.
 cpp-tsan: build-tsan
