@@ -31,10 +31,12 @@ aclError aclInit(const char*) {
   return ACL_SUCCESS;
 }
 
-// Read-and-clear, per the AscendCL reference. The pointer stays valid until the next call.
+// Read-and-clear, per the AscendCL reference. The pointer stays valid until the next call. A static, not a
+// thread_local: the runtime dlcloses this library, and a thread_local left in a closed module's TLS made
+// LeakSanitizer's tracer crash at exit ("Tracer caught signal 11") under ctest.
 const char* aclGetRecentErrMsg() {
   std::lock_guard<std::mutex> lock(g_dev.mu);
-  thread_local std::string msg;
+  static std::string msg;
   msg = g_dev.last_error;
   g_dev.last_error.clear();
   return msg.empty() ? nullptr : msg.c_str();
