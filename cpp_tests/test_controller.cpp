@@ -29,6 +29,16 @@ Code code_of(const std::function<void()>& fn) {
   return Code::kUnavailable;
 }
 
+// The code of the msrl::Error fn throws, or Code{0} when it returns.
+Code code_of_or_ok(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return Code{0};
+}
+
 void mark(Controller& c, int col, std::vector<int64_t> rows) { c.mark_ready(col, rows.data(), rows.size()); }
 
 }  // namespace
@@ -578,4 +588,239 @@ TEST(DockCore, FinishedMeansCompletedByEveryStage) {
   EXPECT_TRUE(d.claim(0, 4, 0, 0).empty());  // stage 0 completed the kept group by the plain put
   EXPECT_TRUE(d.claim(1, 4, 0, 0).empty());
   EXPECT_EQ(d.claim(2, 4, 0, 0), kept);  // the last stage's open claim went back to it
+}
+
+// ---- One control plane: a metadata-only DockCore (the Ray controller's) runs the put protocol and
+// reset in steps; the bytes live in warehouses elsewhere ----
+
+namespace {
+DockConfig metadata_config(int warehouses = 2) {
+  DockConfig cfg = small_config(warehouses);
+  cfg.store_bytes = false;
+  return cfg;
+}
+
+// A Ray-like backend in one process: a metadata-only DockCore and standalone warehouses over the rows
+// it assigns them, driven the way the Ray client drives its actors (begin -> store -> publish).
+struct SplitDock {
+  DockCore ctl{metadata_config()};
+  std::vector<std::unique_ptr<Warehouse>> whs;
+  SplitDock() {
+    for (int w = 0; w < ctl.num_warehouses(); ++w) {
+      auto [first, rows] = ctl.warehouse_rows(w);
+      whs.push_back(std::make_unique<Warehouse>(w, first, rows, ctl.config().columns));
+    }
+  }
+  void store(const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows) {
+    std::vector<Warehouse*> ptrs;
+    for (auto& w : whs) ptrs.push_back(w.get());
+    store_columns(
+        ptrs, [this](int64_t r) { return ctl.warehouse_of(r); }, in, rows.data(), rows.size());
+  }
+  std::vector<int64_t> put_new(const std::vector<ColumnInput>& in, int64_t n) {
+    std::vector<int64_t> rows;
+    const uint64_t id = ctl.begin_put_new(n, &rows);
+    try {
+      store(in, rows);
+    } catch (...) {
+      ctl.abort_put(id, rows.data(), rows.size());
+      throw;
+    }
+    std::vector<ColumnMark> marks;
+    for (const auto& c : in) marks.push_back({c.column, c.lengths});
+    ctl.publish(id, marks, rows.data(), rows.size());
+    return rows;
+  }
+  void put(const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows, int64_t epoch, int stage,
+           uint64_t claim_id) {
+    const uint64_t id = ctl.begin_put(rows.data(), rows.size(), epoch, stage, claim_id);
+    try {
+      store(in, rows);
+    } catch (...) {
+      ctl.abort_put(id);
+      throw;
+    }
+    std::vector<ColumnMark> marks;
+    for (const auto& c : in) marks.push_back({c.column, c.lengths});
+    ctl.publish(id, marks, rows.data(), rows.size(), stage, claim_id);
+  }
+  std::vector<int64_t> reset(bool keep) {
+    ctl.begin_reset();
+    std::vector<int64_t> kept = ctl.reset_metadata(keep);
+    std::vector<std::vector<int64_t>> per(whs.size());
+    for (int64_t r : kept) per[ctl.warehouse_of(r)].push_back(r);
+    for (size_t w = 0; w < whs.size(); ++w) whs[w]->reset(per[w]);
+    ctl.end_reset();
+    return kept;
+  }
+};
+}  // namespace
+
+TEST(DockCore, MetadataOnlyDockHoldsNoBytesAndSaysSo) {
+  DockCore d(metadata_config());
+  EXPECT_FALSE(d.stores_bytes());
+  EXPECT_EQ(d.num_warehouses(), 2);
+  EXPECT_EQ(d.warehouse_rows(0), (std::pair<int64_t, int64_t>{0, 8}));
+  EXPECT_EQ(d.warehouse_rows(1), (std::pair<int64_t, int64_t>{8, 8}));
+  EXPECT_EQ(code_of([&] { d.warehouse_rows(2); }), Code::kInvalidArgument);
+  std::vector<int64_t> v = {1, 2}, lens = {1, 1};
+  EXPECT_EQ(code_of([&] { d.put_new({ColumnInput{0, v.data(), 16, lens.data()}}, 2); }), Code::kInvalidArgument);
+  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.allocated_rows(), 0);
+  EXPECT_EQ(d.puts_in_flight(), 0);
+}
+
+TEST(DockCore, MetadataOnlyDockMakesTheLocalDocksDecisions) {
+  // The same random workload on the local DockCore and on a metadata-only DockCore + separate
+  // warehouses: the same rows allocated, claimed, kept and the same bytes read back.
+  DockCore local(small_config());
+  SplitDock split;
+  std::mt19937 rng(7);
+  std::vector<int64_t> one = {1, 1, 1, 1};
+  int64_t claimed = 0, kept = 0, refused = 0;
+  for (int step = 0; step < 600; ++step) {
+    const int op = static_cast<int>(rng() % 5);
+    if (op == 0) {  // new prompts, two groups
+      std::vector<int64_t> vals = {step, step, step, step};
+      const ColumnInput in{0, vals.data(), 32, one.data()};
+      std::vector<int64_t> a, b;
+      const Code ca = code_of_or_ok([&] { a = local.put_new({in}, 4); });
+      const Code cb = code_of_or_ok([&] { b = split.put_new({in}, 4); });
+      ASSERT_EQ(ca, cb) << "step " << step;
+      ASSERT_EQ(a, b) << "step " << step;
+      refused += ca != Code{0};
+    } else if (op <= 2) {  // a stage claims, and puts its output with the claim (or releases)
+      const int stage = static_cast<int>(rng() % 2);
+      uint64_t ea = 0, eb = 0, ia = 0, ib = 0;
+      auto a = local.claim(stage, 2, 0, 0, &ea, 0, &ia);
+      auto b = split.ctl.claim(stage, 2, 0, 0, &eb, 0, &ib);
+      ASSERT_EQ(a, b) << "step " << step;
+      ASSERT_EQ(ea, eb);
+      claimed += static_cast<int64_t>(a.size());
+      if (a.empty()) continue;
+      if (rng() % 4 == 0) {
+        local.release(stage, a.data(), a.size(), static_cast<int64_t>(ea), ia);
+        split.ctl.release(stage, b.data(), b.size(), static_cast<int64_t>(eb), ib);
+        continue;
+      }
+      std::vector<int64_t> vals(a.size(), step);
+      const int col = stage == 0 ? 1 : 2;  // rollout writes responses, reward writes rewards
+      const ColumnInput in{col, vals.data(), a.size() * (col == 1 ? 8 : 4), col == 1 ? one.data() : nullptr};
+      std::vector<float> fvals(a.size(), static_cast<float>(step));
+      const ColumnInput fin{col, fvals.data(), a.size() * 4, nullptr};
+      local.put({col == 1 ? in : fin}, a.data(), a.size(), static_cast<int64_t>(ea), stage, ia);
+      split.put({col == 1 ? in : fin}, b, static_cast<int64_t>(eb), stage, ib);
+    } else if (op == 3) {  // update reads everything
+      auto a = local.claim(2, 4, 0, 0);
+      auto b = split.ctl.claim(2, 4, 0, 0);
+      ASSERT_EQ(a, b) << "step " << step;
+      for (size_t i = 0; i < a.size(); ++i) {
+        int64_t x = -1, y = -1;
+        local.gather(1, &a[i], 1, &x, 8);
+        split.whs[split.ctl.warehouse_of(b[i])]->gather(1, &b[i], 1, &y, 8);
+        ASSERT_EQ(x, y) << "row " << a[i];
+      }
+      if (!a.empty()) {
+        local.complete(2, a.data(), a.size());
+        split.ctl.complete(2, b.data(), b.size());
+      }
+    } else {  // (partial) reset
+      const bool keep = rng() % 2 == 0;
+      const auto k = local.reset(keep);
+      ASSERT_EQ(k, split.reset(keep)) << "step " << step;
+      kept += static_cast<int64_t>(k.size());
+      ASSERT_EQ(local.epoch(), split.ctl.epoch());
+    }
+    ASSERT_EQ(local.allocated_rows(), split.ctl.allocated_rows()) << "step " << step;
+    for (int s = 0; s < 3; ++s) {
+      ASSERT_EQ(local.controller(s).progress().ready_rows, split.ctl.controller(s).progress().ready_rows);
+    }
+  }
+  EXPECT_GT(claimed, 150);  // the workload exercised claims, partial resets and a full dock
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(refused, 0);
+  EXPECT_EQ(local.puts_in_flight(), 0);
+  EXPECT_EQ(split.ctl.puts_in_flight(), 0);
+  EXPECT_EQ(split.ctl.put_stats.rows.load(), local.put_stats.rows.load());
+}
+
+TEST(DockCore, ResetRefusesWhileAPutIsInFlightAndForceAbandonsIt) {
+  DockCore d(metadata_config());
+  std::vector<int64_t> rows;
+  const uint64_t put = d.begin_put_new(4, &rows);
+  EXPECT_EQ(d.puts_in_flight(), 1);
+  EXPECT_EQ(code_of([&] { d.begin_reset(); }), Code::kInvalidArgument);  // nothing changed
+  EXPECT_EQ(d.allocated_rows(), 4);
+  EXPECT_EQ(d.epoch(), 0u);
+  d.begin_reset(/*force=*/true);
+  EXPECT_EQ(code_of([&] { d.begin_reset(true); }), Code::kInvalidArgument);  // one reset at a time
+  EXPECT_TRUE(d.reset_metadata(false).empty());
+  d.end_reset();
+  EXPECT_EQ(d.epoch(), 1u);
+  EXPECT_EQ(d.allocated_rows(), 0);
+  // The abandoned put publishes nothing, and its abort frees nothing (the rows may be someone else's).
+  EXPECT_EQ(code_of([&] { d.publish(put, {{0, nullptr}}, rows.data(), rows.size()); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.controller(0).progress().ready_rows, 0);
+  std::vector<int64_t> again;
+  const uint64_t p2 = d.begin_put_new(4, &again);
+  EXPECT_EQ(again, rows);  // the freed rows, handed out again
+  d.abort_put(put, rows.data(), rows.size());
+  EXPECT_EQ(d.allocated_rows(), 4);
+  d.publish(p2, {{0, nullptr}}, again.data(), again.size());
+  EXPECT_EQ(d.controller(0).progress().ready_rows, 4);
+  EXPECT_EQ(d.puts_in_flight(), 0);
+  EXPECT_EQ(code_of([&] { d.reset_metadata(false); }), Code::kInvalidArgument);  // outside begin/end
+}
+
+TEST(DockCore, AbortedPutsGiveTheirRowsBackAndFailedChecksRegisterNothing) {
+  DockCore d(metadata_config());
+  std::vector<int64_t> rows;
+  const uint64_t put = d.begin_put_new(4, &rows);
+  d.abort_put(put, rows.data(), rows.size());
+  EXPECT_EQ(d.allocated_rows(), 0);
+  EXPECT_EQ(d.puts_in_flight(), 0);
+  EXPECT_EQ(code_of([&] { d.publish(put, {{0, nullptr}}, rows.data(), rows.size()); }), Code::kInvalidArgument);
+  std::vector<int64_t> none;
+  EXPECT_EQ(code_of([&] { d.begin_put_new(3, &none); }), Code::kInvalidArgument);  // not whole groups
+  EXPECT_EQ(code_of([&] { d.begin_put_new(18, &none); }), Code::kOutOfMemory);
+  EXPECT_EQ(code_of([&] { d.begin_put(rows.data(), rows.size()); }), Code::kInvalidArgument);  // not allocated
+  const uint64_t p = d.begin_put_new(4, &rows);
+  d.publish(p, {{0, nullptr}}, rows.data(), rows.size());
+  EXPECT_EQ(code_of([&] { d.begin_put(rows.data(), rows.size(), /*epoch=*/3); }), Code::kInvalidArgument);  // stale
+  uint64_t claim_id = 0;
+  auto got = d.claim(0, 2, 2, 0, nullptr, 0, &claim_id);
+  EXPECT_EQ(code_of([&] { d.begin_put(got.data(), got.size(), 0, 0, claim_id + 1); }), Code::kInvalidArgument);
+  EXPECT_EQ(d.puts_in_flight(), 0);
+  EXPECT_EQ(d.allocated_rows(), 4);
+}
+
+TEST(DockCore, PutsBegunDuringAResetWaitForItsEnd) {
+  DockCore d(metadata_config());
+  d.begin_reset();
+  std::atomic<bool> begun{false};
+  std::vector<int64_t> rows;
+  std::thread t([&] {
+    const uint64_t put = d.begin_put_new(2, &rows);
+    begun = true;
+    d.publish(put, {{0, nullptr}}, rows.data(), rows.size());
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(begun.load());  // held back: a row is wholly before or after the reset
+  (void)d.reset_metadata(false);
+  d.end_reset();
+  t.join();
+  EXPECT_TRUE(begun.load());
+  EXPECT_EQ(d.epoch(), 1u);
+  EXPECT_EQ(d.controller(0).progress().ready_rows, 2);  // in the new iteration
+}
+
+TEST(DockCore, LocalResetRefusesWhileALocalPutIsRegistered) {
+  // The local backend's puts go through the same ledger: a put begun by another thread blocks reset.
+  DockCore d(small_config());
+  std::vector<int64_t> rows;
+  const uint64_t put = d.begin_put_new(2, &rows);
+  EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
+  d.abort_put(put, rows.data(), rows.size());
+  d.reset();
+  EXPECT_EQ(d.epoch(), 1u);
 }

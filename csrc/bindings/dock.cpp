@@ -1,4 +1,5 @@
-// Transfer dock: DockCore (local backend), Warehouse and Controller (used by the Ray actors).
+// Transfer dock: DockCore (the control plane of both backends, with the local backend's warehouses) and
+// Warehouse (a Ray warehouse actor's byte store).
 // Arguments are validated with the GIL held; puts, fetches and blocking claims run without it.
 #include "dock/dock.h"
 
@@ -157,7 +158,7 @@ void bind_dock(py::module_& m) {
   py::class_<dock::DockCore>(m, "DockCore", "The embedded transfer dock: warehouses, controllers, row allocator.")
       .def(py::init([](const std::vector<ColumnTuple>& columns,
                        const std::vector<std::tuple<std::string, std::vector<std::string>, std::string>>& stages,
-                       int64_t capacity, int64_t group_size, int warehouses) {
+                       int64_t capacity, int64_t group_size, int warehouses, bool store_bytes) {
              dock::DockConfig cfg;
              cfg.columns = parse_columns(columns);
              for (const auto& [name, inputs, len_col] : stages) {
@@ -166,9 +167,86 @@ void bind_dock(py::module_& m) {
              cfg.capacity = capacity;
              cfg.group_size = group_size;
              cfg.warehouses = warehouses;
+             cfg.store_bytes = store_bytes;
              return std::make_unique<dock::DockCore>(std::move(cfg));
            }),
-           py::arg("columns"), py::arg("stages"), py::arg("capacity"), py::arg("group_size"), py::arg("warehouses"))
+           py::arg("columns"), py::arg("stages"), py::arg("capacity"), py::arg("group_size"), py::arg("warehouses"),
+           py::arg("store_bytes") = true,
+           "store_bytes=False: metadata only (the Ray controller): the put protocol in steps (begin_put*, "
+           "publish/abort_put) and reset in steps (begin_reset, reset_metadata, end_reset) carry what the "
+           "warehouses elsewhere store.")
+      .def_property_readonly("stores_bytes", &dock::DockCore::stores_bytes)
+      .def("warehouse_rows", &dock::DockCore::warehouse_rows, py::arg("warehouse"),
+           "(first row, rows) of a warehouse's contiguous range.")
+      .def(
+          "begin_put_new",
+          [](dock::DockCore& d, int64_t n) {
+            std::vector<int64_t> rows;
+            uint64_t id = 0;
+            {
+              py::gil_scoped_release release;  // may wait for a reset in flight
+              id = d.begin_put_new(n, &rows);
+            }
+            return py::make_tuple(to_array(std::move(rows)), id);
+          },
+          py::arg("n"), "(rows, put id): allocates n new rows for a put and registers it in flight.")
+      .def(
+          "begin_put",
+          [](dock::DockCore& d, const I64Array& rows, int64_t epoch, int stage, uint64_t claim_id) {
+            py::gil_scoped_release release;
+            return d.begin_put(rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
+          },
+          py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1, py::arg("claim_id") = 0,
+          "Put id: checks a put into allocated rows and registers it in flight.")
+      .def(
+          "publish",
+          [](dock::DockCore& d, uint64_t put, const py::sequence& cols, const I64Array& rows, int stage,
+             uint64_t claim_id) {
+            std::vector<dock::ColumnMark> marks;
+            std::vector<I64Array> keep;
+            keep.reserve(static_cast<size_t>(cols.size()));
+            for (const py::handle& h : cols) {
+              py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
+              MSRL_CHECK(t.size() == 2, kInvalidArgument, "publish expects (column_id, lengths or None) pairs");
+              dock::ColumnMark m{t[0].cast<int>(), nullptr};
+              if (!t[1].is_none()) {
+                keep.push_back(t[1].cast<I64Array>());
+                MSRL_CHECK(keep.back().size() == rows.size(), kInvalidArgument, "publish: ", keep.back().size(),
+                           " lengths for ", rows.size(), " rows");
+                m.lengths = keep.back().data();
+              }
+              marks.push_back(m);
+            }
+            d.publish(put, marks, rows.data(), static_cast<size_t>(rows.size()), stage, claim_id);
+          },
+          py::arg("put"), py::arg("columns"), py::arg("rows"), py::arg("stage") = -1, py::arg("claim_id") = 0,
+          "Publishes a put: columns are (column id, lengths or None); ends the put.")
+      .def(
+          "abort_put",
+          [](dock::DockCore& d, uint64_t put, py::object new_rows) {
+            if (new_rows.is_none()) {
+              d.abort_put(put);
+              return;
+            }
+            I64Array rows = new_rows.cast<I64Array>();
+            d.abort_put(put, rows.data(), static_cast<size_t>(rows.size()));
+          },
+          py::arg("put"), py::arg("new_rows") = py::none(),
+          "Ends a put that stored nothing; new_rows (from begin_put_new) go back to the allocator.")
+      .def_property_readonly("puts_in_flight", &dock::DockCore::puts_in_flight)
+      .def("begin_reset", &dock::DockCore::begin_reset, py::arg("force") = false)
+      .def(
+          "reset_metadata",
+          [](dock::DockCore& d, bool keep_unfinished) {
+            std::vector<int64_t> kept;
+            {
+              py::gil_scoped_release release;
+              kept = d.reset_metadata(keep_unfinished);
+            }
+            return to_array(std::move(kept));
+          },
+          py::arg("keep_unfinished") = false)
+      .def("end_reset", &dock::DockCore::end_reset)
       .def("column_index", &dock::DockCore::column_index)
       .def("stage_index", &dock::DockCore::stage_index)
       .def_property_readonly("num_warehouses", &dock::DockCore::num_warehouses)
@@ -287,7 +365,7 @@ void bind_dock(py::module_& m) {
              py::dict out;
              out["put"] = op_stats(d.put_stats);
              out["claim"] = op_stats(d.claim_stats);
-             out["fetch"] = op_stats(d.fetch_stats);
+             if (d.stores_bytes()) out["fetch"] = op_stats(d.fetch_stats);  // else fetches bypass it
              return out;
            })
       .def(
@@ -368,41 +446,12 @@ void bind_dock(py::module_& m) {
       .def(
           "put",
           [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
-            // All columns reserved first, so a failing column leaves every column unchanged.
+            // All or nothing over the columns, as a DockCore put.
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
             py::gil_scoped_release release;
-            std::vector<dock::Reservation> res;
-            const size_t n = static_cast<size_t>(rows.size());
-            try {
-              for (const ColumnInput& in : inputs) res.push_back(w.reserve(in.column, rows.data(), n, in.lengths));
-            } catch (...) {
-              for (auto& r : res) w.abort(r);
-              throw;
-            }
-            for (size_t k = 0; k < inputs.size(); ++k) {
-              std::vector<int64_t> offs(n);
-              int64_t acc = 0;
-              for (size_t i = 0; i < n; ++i) {
-                offs[i] = acc;
-                acc += res[k].nbytes[i];
-              }
-              if (static_cast<size_t>(acc) != inputs[k].nbytes) {
-                for (auto& r : res) w.abort(r);
-                MSRL_THROW(kInvalidArgument, "column '", w.columns()[inputs[k].column].name, "': ", n, " rows need ",
-                           acc, " bytes of values, got ", inputs[k].nbytes);
-              }
-            }
-            for (size_t k = 0; k < inputs.size(); ++k) {
-              std::vector<int64_t> offs(n);
-              int64_t acc = 0;
-              for (size_t i = 0; i < n; ++i) {
-                offs[i] = acc;
-                acc += res[k].nbytes[i];
-              }
-              w.write(res[k], static_cast<const uint8_t*>(inputs[k].data), offs.data());
-            }
-            for (auto& r : res) w.commit(r);
+            dock::store_columns(
+                {&w}, [](int64_t) { return 0; }, inputs, rows.data(), static_cast<size_t>(rows.size()));
           },
           py::arg("columns"), py::arg("rows"))
       .def("lengths",
@@ -487,73 +536,6 @@ void bind_dock(py::module_& m) {
         dock::copy_segments(std::move(segs));
       },
       "Copies byte segments between two buffers (bounds-checked, GIL released, large copies threaded).");
-
-  py::class_<dock::Controller>(m, "Controller", "Metadata plane of one stage: readiness and consumed bits.")
-      .def(py::init<std::string, int64_t, int64_t, std::vector<int>, int>(), py::arg("stage"), py::arg("capacity"),
-           py::arg("group_size"), py::arg("input_columns"), py::arg("length_column") = -1)
-      .def_property_readonly("stage", &dock::Controller::stage)
-      .def("reads", &dock::Controller::reads)
-      .def(
-          "mark_ready",
-          [](dock::Controller& c, int column, const I64Array& rows, py::object lengths) {
-            if (lengths.is_none()) {
-              c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()));
-              return;
-            }
-            I64Array lens = lengths.cast<I64Array>();
-            MSRL_CHECK(lens.size() == rows.size(), kInvalidArgument, "mark_ready: ", lens.size(), " lengths for ",
-                       rows.size(), " rows");
-            c.mark_ready(column, rows.data(), static_cast<size_t>(rows.size()), lens.data());
-          },
-          py::arg("column"), py::arg("rows"), py::arg("lengths") = py::none())
-      .def(
-          "claim",
-          [](dock::Controller& c, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items) {
-            std::vector<int64_t> rows;
-            uint64_t epoch = 0, claim_id = 0;
-            {
-              py::gil_scoped_release release;
-              rows = c.claim(max_rows, min_rows, timeout, &epoch, max_items, &claim_id);
-            }
-            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
-          },
-          py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"), py::arg("max_items") = 0)
-      .def(
-          "release",
-          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
-            c.release(rows.data(), static_cast<size_t>(rows.size()), claim_id);
-          },
-          py::arg("rows"), py::arg("claim_id") = 0)
-      .def("check_held",
-           [](const dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
-             c.check_held(rows.data(), static_cast<size_t>(rows.size()), claim_id);
-           })
-      .def(
-          "complete",
-          [](dock::Controller& c, const I64Array& rows, uint64_t claim_id) {
-            c.complete(rows.data(), static_cast<size_t>(rows.size()), claim_id);
-          },
-          py::arg("rows"), py::arg("claim_id") = 0)
-      .def("complete_by_put",
-           [](dock::Controller& c, const std::vector<int>& columns, const I64Array& rows) {
-             return c.complete_by_put(columns, rows.data(), static_cast<size_t>(rows.size()));
-           })
-      .def("progress", [](const dock::Controller& c) { return progress_dict(c.progress()); })
-      .def(
-          "reset",
-          [](dock::Controller& c, py::object keep_groups) {
-            if (keep_groups.is_none()) {
-              c.reset();
-              return;
-            }
-            c.reset(keep_groups.cast<std::vector<uint8_t>>());
-          },
-          py::arg("keep_groups") = py::none(),
-          "Next iteration; keep_groups (one flag per group) keeps those groups' readiness and completed claims "
-          "(partial reset).")
-      .def("group_completed", &dock::Controller::group_completed)
-      .def_property_readonly("epoch", &dock::Controller::epoch)
-      .def("close", &dock::Controller::close);
 }
 
 }  // namespace msrl::bindings

@@ -25,6 +25,11 @@ class Timer {
   OpStats& s_;
   int64_t start_;
 };
+std::vector<ColumnMark> marks_of(const std::vector<ColumnInput>& inputs) {
+  std::vector<ColumnMark> marks;
+  for (const ColumnInput& in : inputs) marks.push_back({in.column, in.lengths});
+  return marks;
+}
 }  // namespace
 
 void OpStats::record(int64_t ns, int64_t nrows, int64_t nbytes) {
@@ -52,6 +57,8 @@ DockCore::DockCore(DockConfig config) : config_(std::move(config)) {
   for (int w = 0; w < S; ++w) {
     const int64_t gb = w * groups / S, ge = (w + 1) * groups / S;
     for (int64_t g = gb; g < ge; ++g) group_warehouse_[g] = w;
+    warehouse_rows_.emplace_back(gb * G, (ge - gb) * G);
+    if (!config_.store_bytes) continue;
     std::vector<ColumnSpec> cols = config_.columns;
     warehouses_.push_back(std::make_unique<Warehouse>(w, gb * G, (ge - gb) * G, std::move(cols)));
   }
@@ -104,6 +111,22 @@ int DockCore::warehouse_of(int64_t row) const {
   MSRL_CHECK(row >= 0 && row < config_.capacity, kInvalidArgument, "row ", row, " out of range [0, ", config_.capacity,
              ")");
   return group_warehouse_[row / config_.group_size];
+}
+
+std::pair<int64_t, int64_t> DockCore::warehouse_rows(int w) const {
+  MSRL_CHECK(w >= 0 && w < num_warehouses(), kInvalidArgument, "warehouse ", w, " out of range [0, ", num_warehouses(),
+             ")");
+  return warehouse_rows_[w];
+}
+
+const Warehouse& DockCore::warehouse(int w) const {
+  need_bytes("warehouse()");
+  return *warehouses_.at(w);
+}
+
+void DockCore::need_bytes(const char* op) const {
+  MSRL_CHECK(config_.store_bytes, kInvalidArgument, op,
+             " needs the bytes, and this dock holds metadata only (its warehouses are elsewhere)");
 }
 
 std::vector<int64_t> DockCore::allocate(int64_t n) {
@@ -165,14 +188,18 @@ void DockCore::check_allocated(const int64_t* rows, size_t n) const {
 }
 
 std::vector<int64_t> DockCore::put_new(const std::vector<ColumnInput>& inputs, int64_t n) {
-  std::shared_lock<std::shared_mutex> ops(ops_mu_);
-  std::vector<int64_t> rows = allocate(n);
+  need_bytes("put");
+  Timer timer(put_stats);
+  std::vector<int64_t> rows;
+  const uint64_t id = begin_put_new(n, &rows);
   try {
-    put_locked(inputs, rows.data(), rows.size());
+    store(inputs, rows.data(), rows.size(), &timer.bytes);
   } catch (...) {
-    free_rows(rows);
+    abort_put(id, rows.data(), rows.size());
     throw;
   }
+  publish(id, marks_of(inputs), rows.data(), rows.size());  // ends the put; its rows stay
+  timer.rows = static_cast<int64_t>(rows.size());
   return rows;
 }
 
@@ -184,19 +211,113 @@ void DockCore::check_epoch(int64_t epoch) const {
 
 void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch, int stage,
                    uint64_t claim_id) {
+  need_bytes("put");
+  Timer timer(put_stats);
+  const uint64_t id = begin_put(rows, n, epoch, stage, claim_id);
+  try {
+    store(inputs, rows, n, &timer.bytes);
+  } catch (...) {
+    abort_put(id);
+    throw;
+  }
+  publish(id, marks_of(inputs), rows, n, stage, claim_id);  // ends the put
+  timer.rows = static_cast<int64_t>(n);
+}
+
+uint64_t DockCore::register_put() {
+  std::unique_lock<std::mutex> lock(gate_mu_);
+  if (resetting_) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kResetWaitS);
+    MSRL_CHECK(gate_cv_.wait_until(lock, deadline, [&] { return !resetting_; }), kTimeout, "put waited ", kResetWaitS,
+               " s for a reset() in flight; nothing stored");
+  }
+  const uint64_t id = ++next_put_;
+  puts_.insert(id);
+  return id;
+}
+
+uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows) {
+  const uint64_t id = register_put();
+  try {
+    *rows = allocate(n);
+  } catch (...) {
+    abort_put(id);
+    throw;
+  }
+  return id;
+}
+
+uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int stage, uint64_t claim_id) {
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
-  std::shared_lock<std::shared_mutex> ops(ops_mu_);
-  check_epoch(epoch);
-  if (stage >= 0 && claim_id != 0) controllers_[stage]->check_held(rows, n, claim_id);
-  put_locked(inputs, rows, n);
+  MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
+  const uint64_t id = register_put();  // registered: no reset can start until the put ends
+  try {
+    check_epoch(epoch);
+    check_allocated(rows, n);
+    if (stage >= 0 && claim_id != 0) controllers_[stage]->check_held(rows, n, claim_id);
+  } catch (...) {
+    abort_put(id);
+    throw;
+  }
+  return id;
+}
+
+void DockCore::publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
+                       uint64_t claim_id) {
+  MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
+             " out of range");
+  {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    MSRL_CHECK(puts_.count(put) != 0, kInvalidArgument,
+               "this put was abandoned by reset(force=True) before it was published (or was never begun); nothing "
+               "was published (put again)");
+  }
+  // Still registered: no reset can start before abort_put below ends the put.
+  try {
+    publish_locked(columns, rows, n, stage, claim_id);
+  } catch (...) {
+    abort_put(put);
+    throw;
+  }
+  abort_put(put);
+  // put() and put_new() time themselves; a metadata-only dock counts the puts published here.
+  if (!config_.store_bytes) put_stats.record(0, static_cast<int64_t>(n), 0);
+}
+
+void DockCore::publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
+                              uint64_t claim_id) {
+  for (const ColumnMark& m : columns) {
+    MSRL_CHECK(m.column >= 0 && m.column < static_cast<int>(config_.columns.size()), kNotFound, "column id ", m.column,
+               " out of range");
+  }
+  // Readers get readiness; a stage balancing by a column also records its lengths.
+  for (const ColumnMark& m : columns) {
+    for (const auto& c : controllers_) c->mark_ready(m.column, rows, n, m.lengths);
+  }
   if (stage >= 0) {
     controllers_[stage]->complete(rows, n, claim_id);
     return;
   }
-  std::vector<int> columns;
-  for (const ColumnInput& in : inputs) columns.push_back(in.column);
-  for (const auto& c : controllers_) c->complete_by_put(columns, rows, n);
+  std::vector<int> ids;
+  for (const ColumnMark& m : columns) ids.push_back(m.column);
+  for (const auto& c : controllers_) c->complete_by_put(ids, rows, n);
+}
+
+void DockCore::abort_put(uint64_t put, const int64_t* new_rows, size_t n) noexcept {
+  bool live = false;
+  {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    live = puts_.erase(put) != 0;
+  }
+  if (!live || new_rows == nullptr || n == 0) return;  // abandoned by reset(force): the reset freed its rows
+  std::vector<int64_t> rows(new_rows, new_rows + n);
+  free_rows(rows);
+}
+
+int64_t DockCore::puts_in_flight() const {
+  std::lock_guard<std::mutex> lock(gate_mu_);
+  return static_cast<int64_t>(puts_.size());
 }
 
 void DockCore::complete(int stage, const int64_t* rows, size_t n, int64_t epoch, uint64_t claim_id) {
@@ -207,12 +328,14 @@ void DockCore::complete(int stage, const int64_t* rows, size_t n, int64_t epoch,
   controllers_[stage]->complete(rows, n, claim_id);
 }
 
-void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
-  Timer timer(put_stats);
+int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::function<int(int64_t)>& route,
+                      const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n) {
   MSRL_CHECK(!inputs.empty(), kInvalidArgument, "put needs at least one column");
   MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
-  check_allocated(rows, n);
-  const int S = num_warehouses();
+  MSRL_CHECK(!warehouses.empty(), kInvalidArgument, "a put needs at least one warehouse");
+  const int S = static_cast<int>(warehouses.size());
+  const std::vector<ColumnSpec>& columns = warehouses[0]->columns();
+  int64_t stored = 0;
 
   // Validate every column and route rows to warehouses before touching anything.
   struct Route {
@@ -221,13 +344,13 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
   std::vector<std::vector<Route>> routes(inputs.size(), std::vector<Route>(S));
   for (size_t k = 0; k < inputs.size(); ++k) {
     const ColumnInput& in = inputs[k];
-    MSRL_CHECK(in.column >= 0 && in.column < static_cast<int>(config_.columns.size()), kNotFound, "column id ",
-               in.column, " out of range");
+    MSRL_CHECK(in.column >= 0 && in.column < static_cast<int>(columns.size()), kNotFound, "column id ", in.column,
+               " out of range");
     for (size_t j = 0; j < k; ++j) {
-      MSRL_CHECK(inputs[j].column != in.column, kInvalidArgument, "column '", config_.columns[in.column].name,
+      MSRL_CHECK(inputs[j].column != in.column, kInvalidArgument, "column '", columns[in.column].name,
                  "' given twice in one put");
     }
-    const ColumnSpec& spec = config_.columns[in.column];
+    const ColumnSpec& spec = columns[in.column];
     const int64_t item = static_cast<int64_t>(spec.item_bytes());
     int64_t off = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -237,7 +360,7 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
         len = in.lengths[i];
         MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': negative length ", len, " at row ", rows[i]);
       }
-      Route& r = routes[k][warehouse_of(rows[i])];
+      Route& r = routes[k][route(rows[i])];
       r.rows.push_back(rows[i]);
       r.lengths.push_back(len);
       r.src_offsets.push_back(off);
@@ -245,11 +368,9 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
     }
     MSRL_CHECK(static_cast<size_t>(off) == in.nbytes, kInvalidArgument, "column '", spec.name, "': ", n, " rows need ",
                off, " bytes of values, got ", in.nbytes);
-    timer.bytes += off;
+    stored += off;
   }
-  timer.rows = static_cast<int64_t>(n);
 
-  // Reserve everywhere (all-or-nothing), copy without locks, commit, then publish readiness.
   std::vector<std::pair<int, Reservation>> reserved;
   reserved.reserve(inputs.size() * S);
   std::vector<size_t> route_of;  // index into (k, w) for each reservation
@@ -258,25 +379,29 @@ void DockCore::put_locked(const std::vector<ColumnInput>& inputs, const int64_t*
       for (int w = 0; w < S; ++w) {
         const Route& r = routes[k][w];
         if (r.rows.empty()) continue;
-        reserved.emplace_back(
-            w, warehouses_[w]->reserve(inputs[k].column, r.rows.data(), r.rows.size(), r.lengths.data()));
+        reserved.emplace_back(w,
+                              warehouses[w]->reserve(inputs[k].column, r.rows.data(), r.rows.size(), r.lengths.data()));
         route_of.push_back(k * S + w);
       }
     }
   } catch (...) {
-    for (auto& [w, res] : reserved) warehouses_[w]->abort(res);
+    for (auto& [w, res] : reserved) warehouses[w]->abort(res);
     throw;
   }
   for (size_t i = 0; i < reserved.size(); ++i) {
     const size_t k = route_of[i] / S, w = route_of[i] % S;
-    warehouses_[reserved[i].first]->write(reserved[i].second, static_cast<const uint8_t*>(inputs[k].data),
-                                          routes[k][w].src_offsets.data());
+    warehouses[reserved[i].first]->write(reserved[i].second, static_cast<const uint8_t*>(inputs[k].data),
+                                         routes[k][w].src_offsets.data());
   }
-  for (auto& [w, res] : reserved) warehouses_[w]->commit(res);
-  for (const ColumnInput& in : inputs) {
-    // Readers get readiness; a stage balancing by this column also records its lengths.
-    for (const auto& c : controllers_) c->mark_ready(in.column, rows, n, in.lengths);
-  }
+  for (auto& [w, res] : reserved) warehouses[w]->commit(res);
+  return stored;
+}
+
+void DockCore::store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes) {
+  std::vector<Warehouse*> whs;
+  for (const auto& w : warehouses_) whs.push_back(w.get());
+  *nbytes += store_columns(
+      whs, [this](int64_t row) { return warehouse_of(row); }, inputs, rows, n);
 }
 
 std::vector<int64_t> DockCore::claim(int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
@@ -298,6 +423,7 @@ void DockCore::release(int stage, const int64_t* rows, size_t n, int64_t epoch, 
 }
 
 void DockCore::lengths(int column, const int64_t* rows, size_t n, int64_t* out) const {
+  need_bytes("lengths()");
   std::vector<const uint8_t*> ptrs(1);
   for (size_t i = 0; i < n; ++i) {
     warehouses_[warehouse_of(rows[i])]->views(column, rows + i, 1, ptrs.data(), out + i);
@@ -305,6 +431,7 @@ void DockCore::lengths(int column, const int64_t* rows, size_t n, int64_t* out) 
 }
 
 void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size_t dst_bytes, int64_t epoch) {
+  need_bytes("fetch");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
   Timer timer(fetch_stats);
@@ -334,6 +461,7 @@ void DockCore::gather(int column, const int64_t* rows, size_t n, void* dst, size
 }
 
 void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t max_items, void* dst, int64_t epoch) {
+  need_bytes("fetch");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
   Timer timer(fetch_stats);
@@ -364,6 +492,7 @@ void DockCore::gather_padded(int column, const int64_t* rows, size_t n, int64_t 
 
 bool DockCore::view(int column, const int64_t* rows, size_t n, const uint8_t** data, size_t* nbytes, int64_t* lengths,
                     int64_t epoch) {
+  need_bytes("fetch");
   std::shared_lock<std::shared_mutex> ops(ops_mu_);
   check_epoch(epoch);
   Timer timer(fetch_stats);
@@ -401,19 +530,65 @@ void DockCore::unpin() {
 void DockCore::reset() { (void)reset(false); }
 
 std::vector<int64_t> DockCore::reset(bool keep_unfinished) {
+  need_bytes("reset()");  // a metadata-only dock resets in steps (begin_reset ... end_reset)
+  begin_reset(false);     // in-process puts cannot be orphaned: never forced
+  struct EndReset {
+    DockCore* d;
+    ~EndReset() { d->end_reset(); }
+  } end{this};
   std::unique_lock<std::shared_mutex> ops(ops_mu_, std::try_to_lock);
-  MSRL_CHECK(ops.owns_lock(), kInvalidArgument,
-             "reset() while a put, fetch or another reset is in flight; nothing was reset");
+  MSRL_CHECK(ops.owns_lock(), kInvalidArgument, "reset() while a fetch is in flight; nothing was reset");
   const int64_t views = live_views_.load();
   MSRL_CHECK(views == 0, kInvalidArgument, "reset() while ", views,
              " zero-copy fetch view(s) of this iteration are alive (arrays from fetch(copy=False)); drop them "
              "first; nothing was reset");
+  std::vector<int64_t> kept = reset_state(keep_unfinished);
+  // No put runs (none registered, new ones held back), so no warehouse has a write in flight: nothing
+  // below throws.
+  const int64_t G = config_.group_size;
+  if (kept.empty()) {
+    for (const auto& w : warehouses_) w->reset();
+  } else {
+    std::vector<std::vector<int64_t>> per_wh(warehouses_.size());
+    for (int64_t r : kept) per_wh[group_warehouse_[r / G]].push_back(r);
+    for (size_t w = 0; w < warehouses_.size(); ++w) warehouses_[w]->reset(per_wh[w]);
+  }
+  return kept;
+}
+
+void DockCore::begin_reset(bool force) {
+  std::lock_guard<std::mutex> lock(gate_mu_);
+  MSRL_CHECK(!resetting_, kInvalidArgument, "reset() while another reset is in flight; nothing was reset");
+  MSRL_CHECK(force || puts_.empty(), kInvalidArgument, "reset() while ", puts_.size(),
+             " put(s) are in flight; nothing was reset");
+  puts_.clear();  // (force) abandoned: their publish refuses, their abort frees nothing
+  resetting_ = true;
+}
+
+void DockCore::end_reset() noexcept {
+  {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    resetting_ = false;
+  }
+  gate_cv_.notify_all();
+}
+
+std::vector<int64_t> DockCore::reset_metadata(bool keep_unfinished) {
+  {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    MSRL_CHECK(resetting_, kInvalidArgument, "reset_metadata() outside begin_reset() ... end_reset()");
+  }
+  std::unique_lock<std::shared_mutex> ops(ops_mu_);  // complete/release finish first
+  return reset_state(keep_unfinished);
+}
+
+std::vector<int64_t> DockCore::reset_state(bool keep_unfinished) {
   const int64_t G = config_.group_size;
   const int64_t groups = config_.capacity / G;
   std::vector<uint8_t> keep(groups, 0);
   std::vector<int64_t> kept_rows;
+  std::lock_guard<std::mutex> lock(alloc_mu_);
   if (keep_unfinished) {
-    std::lock_guard<std::mutex> lock(alloc_mu_);
     for (int64_t g = 0; g < groups; ++g) {
       if (!group_allocated_[g]) continue;
       bool finished = true;
@@ -423,17 +598,13 @@ std::vector<int64_t> DockCore::reset(bool keep_unfinished) {
       for (int64_t r = g * G; r < (g + 1) * G; ++r) kept_rows.push_back(r);
     }
   }
-  // No put runs (exclusive ops lock), so no warehouse has a write in flight: nothing below throws.
-  if (kept_rows.empty()) {
-    for (const auto& c : controllers_) c->reset();
-    for (const auto& w : warehouses_) w->reset();
-  } else {
-    for (const auto& c : controllers_) c->reset(keep);
-    std::vector<std::vector<int64_t>> per_wh(warehouses_.size());
-    for (int64_t r : kept_rows) per_wh[group_warehouse_[r / G]].push_back(r);
-    for (size_t w = 0; w < warehouses_.size(); ++w) warehouses_[w]->reset(per_wh[w]);
+  for (const auto& c : controllers_) {
+    if (kept_rows.empty()) {
+      c->reset();
+    } else {
+      c->reset(keep);
+    }
   }
-  std::lock_guard<std::mutex> lock(alloc_mu_);
   group_allocated_ = keep;
   free_order_.clear();
   for (int64_t g : order_)

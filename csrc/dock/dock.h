@@ -1,5 +1,8 @@
-// DockCore: the embedded ("local") transfer dock — S warehouses, one controller per stage, and the
-// row allocator, all in one process. The Ray backend uses Warehouse and Controller directly.
+// DockCore: the transfer dock's one control plane — the row allocator, one controller per stage,
+// epochs, claim completion, the ledger of puts in flight and (partial) reset — plus, for the embedded
+// ("local") backend, S warehouses in the same process. The Ray backend hosts a metadata-only DockCore
+// (store_bytes = false) in its controller actor: its warehouses are byte stores in other processes, and
+// its client drives the put protocol below (begin -> store the bytes -> publish) and reset in steps.
 //
 // Rows are grouped: group g holds rows [g*G, (g+1)*G) and lives in exactly one warehouse (warehouse w
 // owns a contiguous range of groups). New rows are allocated as whole groups, interleaved across
@@ -7,11 +10,14 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -32,6 +38,16 @@ struct DockConfig {
   int64_t capacity = 0;  // rows
   int64_t group_size = 1;
   int warehouses = 1;
+  // false: metadata only (the Ray controller): rows, readiness, claims, puts in flight and reset, but no
+  // warehouse in this process (put, put_new, gather and view throw; begin_put*/publish carry puts).
+  bool store_bytes = true;
+};
+
+// A column a put wrote, for publish(): readiness for the stages reading it; `lengths` (items per row, or
+// null) are recorded by a stage that balances its claims by this column.
+struct ColumnMark {
+  int column = -1;
+  const int64_t* lengths = nullptr;
 };
 
 // One column of a put: values packed in row order; lengths (items per row) for ragged columns.
@@ -41,6 +57,13 @@ struct ColumnInput {
   size_t nbytes = 0;
   const int64_t* lengths = nullptr;
 };
+
+// The one all-or-nothing store of a put's columns (ColumnInput: values packed in row order) into rows of
+// some warehouses: validates every column, routes each row to warehouses[route(row)], reserves
+// everywhere, copies without locks, commits; on error nothing changed. Returns the bytes stored.
+// DockCore's puts use it over its warehouses, a Ray warehouse actor over its one.
+int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::function<int(int64_t)>& route,
+                      const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
 
 struct OpStats {
   std::atomic<int64_t> count{0};
@@ -60,9 +83,12 @@ class DockCore {
   const DockConfig& config() const { return config_; }
   int column_index(const std::string& name) const;  // NotFound
   int stage_index(const std::string& name) const;   // NotFound
-  int num_warehouses() const { return static_cast<int>(warehouses_.size()); }
+  int num_warehouses() const { return config_.warehouses; }
   int warehouse_of(int64_t row) const;
-  const Warehouse& warehouse(int w) const { return *warehouses_.at(w); }
+  // Rows [first, first + second) of warehouse w (one contiguous range of whole groups).
+  std::pair<int64_t, int64_t> warehouse_rows(int w) const;
+  bool stores_bytes() const { return config_.store_bytes; }
+  const Warehouse& warehouse(int w) const;  // store_bytes only
   const Controller& controller(int s) const { return *controllers_.at(s); }
 
   // Allocates n rows (whole groups) and writes the columns into them; on any error nothing changes.
@@ -75,6 +101,29 @@ class DockCore {
   // stage that holds the rows and reads none of the columns written (Controller::complete_by_put).
   void put(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1,
            uint64_t claim_id = 0);
+
+  // ---- The put protocol in steps; put_new() and put() run it around this process's warehouses, a
+  // backend whose warehouses are elsewhere (Ray) runs it around its own copies. ----
+  // 1. Begin: registers a put in flight (reset() refuses while one is registered; reset(force) abandons
+  //    it). Waits while a reset runs (Timeout after kResetWaitS; nothing changed). begin_put_new
+  //    allocates n rows (whole groups) into *rows; begin_put checks a put into existing rows: current
+  //    iteration (epoch >= 0, from a claim), allocated, and (stage >= 0, claim_id != 0) still held by the
+  //    claim. Errors register nothing. Returns the put's id (never 0).
+  uint64_t begin_put_new(int64_t n, std::vector<int64_t>* rows);
+  uint64_t begin_put(const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1, uint64_t claim_id = 0);
+  // 2. The caller stores the bytes in every warehouse holding some of the rows (reserve, copy, commit).
+  // 3. Publish: readiness of the columns for every stage reading them, then completion — of the putting
+  //    claim (stage >= 0), or for plain row ids (stage -1) of every stage that holds the rows and reads
+  //    none of the columns (Controller::complete_by_put) — and ends the put. Throws InvalidArgument with
+  //    nothing published when reset(force) abandoned the put.
+  void publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage = -1,
+               uint64_t claim_id = 0);
+  //    Or abort (the bytes could not be stored): ends the put; new_rows (those of begin_put_new) go back
+  //    to the allocator unless reset(force) abandoned the put (the reset freed them). Never throws.
+  void abort_put(uint64_t put, const int64_t* new_rows = nullptr, size_t n = 0) noexcept;
+  int64_t puts_in_flight() const;
+  static constexpr double kResetWaitS = 30.0;  // a put that begins during a reset waits this long
+
   // Completes a claim without putting (a stage that writes no columns); see reset(true).
   void complete(int stage, const int64_t* rows, size_t n, int64_t epoch = -1, uint64_t claim_id = 0);
 
@@ -114,13 +163,30 @@ class DockCore {
   // kept rows (empty without keep_unfinished). Same errors as reset(), nothing changed on error.
   void reset();
   std::vector<int64_t> reset(bool keep_unfinished);
+
+  // ---- Reset in steps, for a backend whose warehouses are elsewhere (Ray): begin_reset(), then the
+  // warehouses prepare (each refuses while its reads or writes are in flight), then reset_metadata() and
+  // the warehouses' own reset with the kept rows, then end_reset(); end_reset() also cancels. ----
+  // Refuses (InvalidArgument, nothing changed) while another reset runs or puts are in flight; with
+  // force, puts in flight are abandoned instead (their publish throws; their abort frees nothing). Holds
+  // new puts back (begin_put* wait) until end_reset().
+  void begin_reset(bool force = false);
+  // Between begin_reset() and end_reset(): the next iteration of the controllers and the allocator, as
+  // reset(keep_unfinished) does it. Returns the kept rows (ascending).
+  std::vector<int64_t> reset_metadata(bool keep_unfinished);
+  void end_reset() noexcept;
   void close();  // wakes blocked claims with Closed
 
   OpStats put_stats, claim_stats, fetch_stats;
 
  private:
   std::vector<int64_t> allocate(int64_t n);
-  void put_locked(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
+  uint64_t register_put();  // waits while a reset runs
+  void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
+                      uint64_t claim_id);
+  void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);
+  std::vector<int64_t> reset_state(bool keep_unfinished);  // ops_mu_ held exclusively, resetting_ set
+  void need_bytes(const char* op) const;
   void free_rows(const std::vector<int64_t>& rows);
   void check_allocated(const int64_t* rows, size_t n) const;
   void check_epoch(int64_t epoch) const;
@@ -130,7 +196,8 @@ class DockCore {
   DockConfig config_;
   std::vector<std::unique_ptr<Warehouse>> warehouses_;
   std::vector<std::unique_ptr<Controller>> controllers_;
-  std::vector<int> group_warehouse_;  // group -> warehouse
+  std::vector<int> group_warehouse_;                         // group -> warehouse
+  std::vector<std::pair<int64_t, int64_t>> warehouse_rows_;  // warehouse -> (first row, rows)
 
   mutable std::mutex alloc_mu_;
   std::vector<uint8_t> group_allocated_;
@@ -140,7 +207,14 @@ class DockCore {
   int64_t allocated_groups_ = 0;
   std::vector<int64_t> returned_;  // groups given back by a failed put_new, reused first
 
-  std::shared_mutex ops_mu_;  // shared by puts and fetches, exclusive for reset
+  std::shared_mutex ops_mu_;  // shared by fetches, views, complete and release; exclusive for reset
+
+  // The ledger of puts in flight and the reset gate.
+  mutable std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  std::unordered_set<uint64_t> puts_;  // ids of the puts between begin and publish/abort
+  uint64_t next_put_ = 0;
+  bool resetting_ = false;
 };
 
 }  // namespace msrl::dock

@@ -10,7 +10,6 @@ import contextlib
 import os
 import socket
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -18,16 +17,12 @@ import numpy as np
 from msrl_core import _core
 from msrl_core.dock._types import _STORAGE
 from msrl_core.dock._wire import Server
-from msrl_core.errors import InvalidArgument, MsrlError, OutOfMemory, Timeout, Unavailable
+from msrl_core.errors import InvalidArgument, MsrlError, Timeout, Unavailable
 
 try:
     import ray
 except ImportError:  # pragma: no cover - optional dependency
     ray = None  # type: ignore[assignment]
-
-
-# A put that starts while a reset() is in flight waits this long for it to end (a reset takes ms).
-RESET_WAIT_S = 30.0
 
 
 def ray_get(refs: Any, what: str, timeout: float) -> Any:
@@ -83,213 +78,82 @@ def process_diagnostics(server: Server | None) -> dict[str, Any]:
 
 
 class ControllerState:
-    """Per-stage native controllers and the row allocator; lives in the controller actor.
+    """The dock's control plane in the controller actor: a metadata-only native DockCore — the same row
+    allocator, per-stage controllers, epochs, claim completion, ledger of puts in flight and reset as the
+    local backend's — plus the two-phase reset of the warehouse actors around it.
 
-    It also serialises reset() against puts: every put is registered from its allocate/check_put to its
-    mark_ready (or free/end_put), reset() refuses while one is registered and holds new ones back while
-    it resets the warehouses and the controllers, so a row is either wholly before or wholly after it."""
+    A client's put runs the DockCore put protocol: ``allocate`` / ``check_put`` (begin: registered in
+    flight, a reset refuses or, forced, abandons it), then the client stores the bytes in the warehouses,
+    then ``mark_ready`` (publish: readiness, completion, end) or ``free`` / ``end_put`` (abort)."""
 
     def __init__(
         self,
-        stages: list[tuple[str, list[int]]],
+        columns: list[tuple],
+        stages: list[tuple[str, list[str], str]],
         capacity: int,
         group_size: int,
         warehouses: int,
-        length_column: int = -1,
     ):
+        self.core = _core.DockCore(columns, stages, capacity, group_size, warehouses, store_bytes=False)
         self.capacity, self.group_size = capacity, group_size
-        self.length_column = length_column
-        self.controllers = [
-            _core.Controller(name, capacity, group_size, cols, length_column) for name, cols in stages
-        ]
-        groups = capacity // group_size
-        self.group_warehouse = np.empty(groups, dtype=np.int32)
-        order: list[int] = []
-        ranges = [(w * groups // warehouses, (w + 1) * groups // warehouses) for w in range(warehouses)]
-        for w, (gb, ge) in enumerate(ranges):
-            self.group_warehouse[gb:ge] = w
-        nxt = [gb for gb, _ in ranges]
-        while len(order) < groups:  # interleave the warehouses
-            for w, (_, ge) in enumerate(ranges):
-                if nxt[w] < ge:
-                    order.append(nxt[w])
-                    nxt[w] += 1
-        self.order = np.array(order, dtype=np.int64)  # every group, interleaved over the warehouses
-        self.free_order = self.order  # less the groups a partial reset kept
-        self.lock = threading.Lock()
-        self.allocated = np.zeros(groups, dtype=bool)
-        self.next_free = 0
-        self.returned: list[int] = []
-        self.in_flight = 0
-        self.sock_path = ""
-        self.closed = False
-        # Dock-wide operation counters (every client's), as DockCore's op_stats: count and rows.
-        self.ops = {op: {"count": 0, "rows": 0} for op in ("put", "claim")}
-        self.gate = threading.Condition()  # guards puts, next_put, resetting
-        self.puts: set[int] = set()  # ids of the puts in flight
-        self.next_put = 0
-        self.resetting = False
 
-    # puts in flight
-    def _begin_put(self) -> int:
-        with self.gate:
-            deadline = time.monotonic() + RESET_WAIT_S
-            while self.resetting:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(f"put waited {RESET_WAIT_S:g} s for a reset() in flight; nothing stored")
-                self.gate.wait(left)
-            self.next_put += 1
-            self.puts.add(self.next_put)
-            return self.next_put
+    def layout(self) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """(warehouse of every group, (first row, rows) of every warehouse): where the client routes rows
+        and what each warehouse actor holds, from the one allocator."""
+        first_rows = np.arange(0, self.capacity, self.group_size, dtype=np.int64)
+        ranges = [self.core.warehouse_rows(w) for w in range(self.core.num_warehouses)]
+        return self.core.warehouse_of(first_rows), ranges
 
-    def _check_put_id(self, put_id: int) -> None:
-        with self.gate:
-            if put_id not in self.puts:
-                raise InvalidArgument(
-                    "this put was abandoned by reset(force=True) before it was published; nothing was "
-                    "published (put again)"
-                )
-
-    def end_put(self, put_id: int) -> None:
-        with self.gate:
-            self.puts.discard(put_id)
-
-    # allocation
+    # the put protocol (DockCore: begin -> the client stores the bytes -> publish, or abort)
     def allocate(self, n: int) -> tuple[np.ndarray, int]:
         """Rows for a put of n new rows and the put's id (pass it to mark_ready, or free on failure)."""
-        g = self.group_size
-        if n <= 0 or n % g:
-            raise InvalidArgument(f"a put of new rows must hold whole groups of {g} rows, got {n} rows")
-        put_id = self._begin_put()
-        try:
-            return self._allocate(n // g), put_id
-        except BaseException:
-            self.end_put(put_id)
-            raise
-
-    def _allocate(self, want: int) -> np.ndarray:
-        g, n = self.group_size, want * self.group_size
-        with self.lock:
-            free = len(self.returned) + len(self.free_order) - self.next_free
-            if want > free:
-                raise OutOfMemory(
-                    f"put of {n} new rows overflows the dock: {free * g} of {self.capacity} rows free "
-                    "(capacity); reset() frees them"
-                )
-            take: list[int] = []
-            while self.returned and len(take) < want:
-                take.append(self.returned.pop())
-            k = want - len(take)
-            take += self.free_order[self.next_free : self.next_free + k].tolist()
-            self.next_free += k
-            groups = np.array(take, dtype=np.int64)
-            self.allocated[groups] = True
-        return (groups[:, None] * g + np.arange(g)[None, :]).reshape(-1)
-
-    def free(self, rows: np.ndarray, put_id: int = 0) -> None:
-        """Gives back the rows of a failed put of new rows (unless a forced reset freed them already)."""
-        with self.gate:
-            live = put_id in self.puts
-            self.puts.discard(put_id)
-        if not live:
-            return
-        groups = np.unique(rows // self.group_size)
-        with self.lock:
-            self.allocated[groups] = False
-            self.returned += groups.tolist()
-
-    def check_epoch(self, epoch: int) -> None:
-        current = self.controllers[0].epoch
-        if epoch >= 0 and epoch != current:
-            raise InvalidArgument(
-                f"stale claim: its rows are from iteration {epoch} but the dock was reset and is at "
-                f"iteration {current}"
-            )
+        return self.core.begin_put_new(n)
 
     def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> int:
-        """Before a put into rows: current iteration, allocated, and still held by the claim if any.
-        Returns the put's id (pass it to mark_ready, or end_put on failure)."""
-        put_id = self._begin_put()
-        try:
-            self.check_allocated(rows, epoch)
-            if stage >= 0 and claim_id:
-                self.controllers[stage].check_held(rows, claim_id)
-        except BaseException:
-            self.end_put(put_id)
-            raise
-        return put_id
-
-    def check_allocated(self, rows: np.ndarray, epoch: int = -1) -> None:
-        self.check_epoch(epoch)
-        with self.lock:
-            ok = self.allocated[rows // self.group_size]
-        if not ok.all():
-            bad = int(rows[~ok][0])
-            raise InvalidArgument(f"row {bad} was never allocated (put new rows without rows= first)")
-
-    def allocated_rows(self) -> int:
-        with self.lock:
-            return int(self.allocated.sum()) * self.group_size
+        """Before a put into rows: current iteration, allocated, still held by the claim if any. Returns
+        the put's id (pass it to mark_ready, or end_put on failure)."""
+        return self.core.begin_put(rows, epoch, stage, claim_id)
 
     def mark_ready(
         self,
-        columns: list[int],
+        columns: list[tuple],
         rows: np.ndarray,
-        lengths: np.ndarray | None = None,
         stage: int = -1,
         claim_id: int = 0,
         put_id: int = 0,
     ) -> None:
-        """Publishes a put: lengths are the row lengths of the length column, when it is among
-        `columns`; then completes the putting claim (stage, claim_id) or, for plain row ids, the claims
-        of the stages that wrote the columns (Controller.complete_by_put: the one rule)."""
-        self._check_put_id(put_id)  # registered: no reset can start before end_put below
-        try:
-            self._publish(columns, rows, lengths, stage, claim_id)
-        finally:
-            self.end_put(put_id)
+        """Publishes a put: columns are (column id, lengths or None) (lengths where a stage balances by
+        the column); completes the putting claim (stage, claim_id) or, for plain row ids, the claims of
+        the stages that wrote the columns; ends the put."""
+        self.core.publish(put_id, columns, rows, stage, claim_id)
 
-    def _publish(
-        self, columns: list[int], rows: np.ndarray, lengths: np.ndarray | None, stage: int, claim_id: int
-    ) -> None:
-        for c in columns:
-            lens = lengths if c == self.length_column else None
-            for ctl in self.controllers:
-                ctl.mark_ready(c, rows, lens)
-        self._count("put", len(rows))
-        if stage >= 0:
-            self.controllers[stage].complete(rows, claim_id)
-            return
-        for ctl in self.controllers:
-            ctl.complete_by_put(list(columns), rows)
+    def free(self, rows: np.ndarray, put_id: int = 0) -> None:
+        """Ends a failed put of new rows and gives its rows back (unless a forced reset freed them)."""
+        self.core.abort_put(put_id, rows)
+
+    def end_put(self, put_id: int) -> None:
+        self.core.abort_put(put_id)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
     ) -> tuple[np.ndarray, int, int]:
-        got = self.controllers[stage].claim(max_rows, min_rows, timeout, max_items)
-        self._count("claim", len(got[0]))
-        return got
-
-    def _count(self, op: str, rows: int) -> None:
-        with self.lock:
-            self.ops[op]["count"] += 1
-            self.ops[op]["rows"] += rows
-
-    def op_stats(self) -> dict:
-        with self.lock:
-            return {op: dict(c) for op, c in self.ops.items()}
+        return self.core.claim(stage, max_rows, min_rows, timeout, max_items)
 
     def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
-        self.check_epoch(epoch)
-        self.controllers[stage].release(rows, claim_id)
+        self.core.release(stage, rows, epoch, claim_id)
 
     def complete(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
-        self.check_epoch(epoch)
-        self.controllers[stage].complete(rows, claim_id)
+        self.core.complete(stage, rows, epoch, claim_id)
 
     def progress(self, stage: int) -> dict:
-        return self.controllers[stage].progress()
+        return self.core.progress(stage)
+
+    def op_stats(self) -> dict:
+        """Dock-wide put/claim counts and rows (every client's), as the local backend's op_stats."""
+        return self.core.op_stats()
+
+    def allocated_rows(self) -> int:
+        return self.core.allocated_rows()
 
     def reset(
         self,
@@ -298,20 +162,14 @@ class ControllerState:
         warehouses: list[Any] | None = None,
         op_timeout: float = 60.0,
     ) -> np.ndarray:
-        """The dock's reset, atomic against puts: refuses (nothing changed) while a put is in flight
-        (force: abandons them) or another reset runs; holds new puts back while it prepares every
-        warehouse (each refuses while fetches, puts or views are in flight there, and then refuses new
-        ones: all or none), resets the controllers and then the warehouses (the client's handles; each
-        answer within op_timeout). Returns the kept rows."""
+        """The dock's reset, atomic against puts (DockCore.begin_reset: refuses, nothing changed, while a
+        put is in flight — force abandons them — or another reset runs; holds new puts back until the
+        end). Prepares every warehouse (each refuses while fetches, puts or views are in flight there,
+        then refuses new ones: all or none), resets the control plane (DockCore.reset_metadata), then the
+        warehouses with their kept rows (the client's handles; each answer within op_timeout). Returns
+        the kept rows."""
         handles = list(warehouses or [])
-        with self.gate:
-            if self.resetting:
-                raise InvalidArgument("reset() while another reset is in flight; nothing was reset")
-            if self.puts and not force:
-                n = len(self.puts)
-                raise InvalidArgument(f"reset() while {n} put(s) are in flight; nothing was reset")
-            self.resetting = True
-            self.puts.clear()  # (force) abandoned: their mark_ready refuses, their free does nothing
+        self.core.begin_reset(force)
         try:
             refs = [h.prepare_reset.remote(force) for h in handles]
             failed: BaseException | None = None
@@ -325,40 +183,17 @@ class ControllerState:
                     with contextlib.suppress(MsrlError):
                         ray_get(h.cancel_reset.remote(), f"warehouse {w}", op_timeout)
                 raise failed
-            epoch, kept = self._reset_controllers(keep_unfinished)
-            wh = self.group_warehouse[kept // self.group_size]
+            kept = self.core.reset_metadata(keep_unfinished)
+            epoch = int(self.core.epoch)
+            wh = self.core.warehouse_of(kept)
             refs = [h.reset.remote(epoch, kept[wh == w]) for w, h in enumerate(handles)]
             ray_get(refs, "warehouses", op_timeout)
             return kept
         finally:
-            with self.gate:
-                self.resetting = False
-                self.gate.notify_all()
-
-    def _reset_controllers(self, keep_unfinished: bool) -> tuple[int, np.ndarray]:
-        """Next iteration; blocked claims keep waiting. Returns the new epoch and the kept rows.
-        keep_unfinished: groups not *finished* (completed by every stage: Controller.group_completed,
-        the rule DockCore applies too) keep their readiness and completed claims; new puts skip them."""
-        g = self.group_size
-        with self.lock:
-            keep = np.zeros(len(self.allocated), dtype=np.uint8)
-            if keep_unfinished:
-                for grp in np.flatnonzero(self.allocated).tolist():
-                    keep[grp] = not all(c.group_completed(grp) for c in self.controllers)
-            for c in self.controllers:
-                c.reset(keep if keep.any() else None)
-            self.allocated[:] = keep.astype(bool)
-            self.free_order = self.order[keep[self.order] == 0]
-            self.next_free = 0
-            self.returned = []
-        kept = np.flatnonzero(keep)
-        rows = (kept[:, None] * g + np.arange(g)[None, :]).reshape(-1).astype(np.int64)
-        return int(self.controllers[0].epoch), rows
+            self.core.end_reset()
 
     def close(self) -> None:
-        self.closed = True
-        for c in self.controllers:
-            c.close()
+        self.core.close()
 
     def serve(self) -> Server:
         """Starts the same-node fast path."""
@@ -367,7 +202,6 @@ class ControllerState:
             "mark_ready": self.mark_ready,
             "allocate": self.allocate,
             "free": self.free,
-            "check_allocated": self.check_allocated,
             "check_put": self.check_put,
             "end_put": self.end_put,
             "complete": self.complete,

@@ -168,34 +168,30 @@ class RayBackend:
         if not 1 <= s <= groups:
             raise InvalidArgument(f"warehouses must be in [1, {groups}] (one group at least each), got {s}")
         self.num_warehouses = s
-        names = list(columns)
-        stage_cols = [(st, [names.index(c) for c in cols]) for st, cols in stages.items()]
         ctl_cls = ray.remote(ControllerActor)
+        stage_specs = [(st, list(cols), balance_by or "") for st, cols in stages.items()]
+        # The control plane (a metadata-only native DockCore) is the one allocator: it says which rows
+        # each warehouse holds and where the client routes them.
         self.controller = ctl_cls.options(num_cpus=actor_cpus, max_concurrency=64).remote(
-            stage_cols, capacity, group_size, s, self.length_column
+            column_tuples(columns, 0), stage_specs, capacity, group_size, s
         )
+        self.group_warehouse, ranges = self._get(self.controller.call.remote("layout"), "controller")
         wh_cls = ray.remote(WarehouseActor)
         self.warehouses = []
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        for w in range(s):
-            gb, ge = w * groups // s, (w + 1) * groups // s
-            rows = (ge - gb) * group_size
+        for w, (first, rows) in enumerate(ranges):
             node = nodes[w % len(nodes)]["NodeID"] if nodes else None
             opts: dict[str, Any] = {"num_cpus": actor_cpus, "max_concurrency": 8}
             if node is not None:
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=True)
             self.warehouses.append(
-                wh_cls.options(**opts).remote(w, gb * group_size, rows, column_tuples(columns, rows))
+                wh_cls.options(**opts).remote(w, first, rows, column_tuples(columns, rows))
             )
         self.endpoint = self._get(self.controller.endpoint.remote(), "controller")
         self.wh_endpoints = [
             self._get(h.endpoint.remote(), f"warehouse {w}") for w, h in enumerate(self.warehouses)
         ]
-        gw = np.empty(groups, dtype=np.int32)
-        for w in range(s):
-            gw[w * groups // s : (w + 1) * groups // s] = w
-        self.group_warehouse = gw
 
     def __reduce__(self):
         # Handles are serializable: another process (a Ray task or actor) gets a client to the same dock.
@@ -408,8 +404,9 @@ class RayBackend:
             self._put_shared(inputs, rows, epoch)
         else:
             self._put_actor_calls(inputs, rows, epoch)
-        lengths = _lengths_of(inputs, self.length_column)
-        self._ctl("mark_ready", [cid for cid, _, _ in inputs], rows, lengths, stage, claim_id, put_id)
+        # Lengths travel only for the column a stage balances its claims by.
+        marks = [(cid, lengths if cid == self.length_column else None) for cid, _, lengths in inputs]
+        self._ctl("mark_ready", marks, rows, stage, claim_id, put_id)
 
     def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
         parts = self._split(rows)
@@ -577,13 +574,6 @@ def _copy_out(
     for pos, arena, (offs, _) in pieces:
         _core.dock_copy_rows(flat, dst_offs[pos], arena, offs, row_bytes[pos])
     return arr, (lengths if col.ragged else None)
-
-
-def _lengths_of(inputs: list[tuple], column: int) -> np.ndarray | None:
-    for cid, _, lengths in inputs:
-        if cid == column:
-            return lengths
-    return None
 
 
 def _close_all(threads: weakref.WeakSet[_ThreadConns]) -> None:
