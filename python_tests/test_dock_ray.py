@@ -596,3 +596,27 @@ def test_faults_timed_inside_a_put_or_a_fetch(monkeypatch, victim, during, path)
     src = {int(r): prompts[i] for i, r in enumerate(rows)}
     assert [b["prompts"][k].tolist() for k in range(len(alive))] == [src[int(r)].tolist() for r in alive]
     dock.shutdown()
+
+
+def test_lengths_that_do_not_match_the_rows_are_refused_by_the_actors():
+    # A same-node peer's lengths array is checked against its rows before any arena offset is computed
+    # from it (before the fix, a short array was read past its end inside the warehouse actor).
+    dock = make_dock()
+    be = dock._backend
+    rows = dock.put({"prompts": [np.arange(3)] * 4})  # one group, one warehouse
+    w = int(dock.warehouse_of(rows[:1])[0])
+    new_rows, put_id = be._ctl("allocate", 4)
+    w_new = int(dock.warehouse_of(new_rows[:1])[0])
+    with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
+        be._wh(w_new, "reserve", [(1, np.ones(1, np.int64))], new_rows, -1)
+    with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
+        be._ctl("mark_ready", [(1, np.ones(1, np.int64))], new_rows, -1, 0, put_id)
+    be._ctl("free", new_rows, put_id)
+    with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
+        ray.get(be.warehouses[w].put.remote([(1, np.arange(3), np.ones(1, np.int64))], rows, -1))
+    # Nothing changed and both actors still serve.
+    assert dock.stats()["allocated_rows"] == 4
+    claim = dock.claim("gen", max_rows=4, timeout=10)
+    got = dock.fetch(claim, ["prompts"])["prompts"]
+    assert list(got.lengths) == [3] * 4 and list(np.asarray(got.values)) == [0, 1, 2] * 4
+    dock.shutdown()

@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "bindings/bindings.h"
@@ -70,9 +71,9 @@ py::array_t<int64_t> to_array(std::vector<int64_t>&& v) {
   return a;
 }
 
-// Inputs of a put: list of (column id, values buffer, lengths array or None). Keeps the Python
-// objects alive in `keep` while the GIL is released.
-std::vector<ColumnInput> parse_inputs(const py::sequence& cols, std::vector<py::object>& keep) {
+// Inputs of a put into n rows: list of (column id, values buffer, lengths array (n) or None). Keeps the
+// Python objects alive in `keep` while the GIL is released.
+std::vector<ColumnInput> parse_inputs(const py::sequence& cols, size_t n, std::vector<py::object>& keep) {
   std::vector<ColumnInput> inputs;
   for (const py::handle& h : cols) {
     py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
@@ -86,6 +87,8 @@ std::vector<ColumnInput> parse_inputs(const py::sequence& cols, std::vector<py::
     keep.push_back(values);
     if (!t[2].is_none()) {
       I64Array lens = t[2].cast<I64Array>();
+      MSRL_CHECK(static_cast<size_t>(lens.size()) == n, kInvalidArgument, "put: ", lens.size(), " lengths for ", n,
+                 " rows");
       in.lengths = lens.data();
       keep.push_back(lens);
     }
@@ -253,8 +256,8 @@ void bind_dock(py::module_& m) {
       .def(
           "put_new",
           [](dock::DockCore& d, const py::sequence& cols, int64_t n) {
-            std::vector<py::object> keep;
-            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            std::vector<py::object> keep;  // n <= 0 is refused by the allocator, naming the group size
+            std::vector<ColumnInput> inputs = parse_inputs(cols, static_cast<size_t>(std::max<int64_t>(n, 0)), keep);
             std::vector<int64_t> rows;
             {
               py::gil_scoped_release release;
@@ -268,7 +271,7 @@ void bind_dock(py::module_& m) {
           [](dock::DockCore& d, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage,
              uint64_t claim_id) {
             std::vector<py::object> keep;
-            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            std::vector<ColumnInput> inputs = parse_inputs(cols, static_cast<size_t>(rows.size()), keep);
             py::gil_scoped_release release;
             d.put(inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
           },
@@ -413,20 +416,16 @@ void bind_dock(py::module_& m) {
                 lens.push_back(nullptr);
               } else {
                 keep.push_back(t[1].cast<I64Array>());
+                MSRL_CHECK(keep.back().size() == rows.size(), kInvalidArgument, "reserve: ", keep.back().size(),
+                           " lengths for ", rows.size(), " rows");
                 lens.push_back(keep.back().data());
               }
             }
             std::vector<std::shared_ptr<dock::Reservation>> res;
             {
               py::gil_scoped_release release;
-              try {
-                for (size_t k = 0; k < ids.size(); ++k) {
-                  res.push_back(std::make_shared<dock::Reservation>(
-                      w.reserve(ids[k], rows.data(), static_cast<size_t>(rows.size()), lens[k])));
-                }
-              } catch (...) {
-                for (auto& r : res) w.abort(*r);
-                throw;
+              for (dock::Reservation& r : w.reserve_columns(ids, rows.data(), static_cast<size_t>(rows.size()), lens)) {
+                res.push_back(std::make_shared<dock::Reservation>(std::move(r)));
               }
             }
             return res;
@@ -448,7 +447,7 @@ void bind_dock(py::module_& m) {
           [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
             // All or nothing over the columns, as a DockCore put.
             std::vector<py::object> keep;
-            std::vector<ColumnInput> inputs = parse_inputs(cols, keep);
+            std::vector<ColumnInput> inputs = parse_inputs(cols, static_cast<size_t>(rows.size()), keep);
             py::gil_scoped_release release;
             dock::store_columns(
                 {&w}, [](int64_t) { return 0; }, inputs, rows.data(), static_cast<size_t>(rows.size()));

@@ -337,11 +337,19 @@ int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::func
   const std::vector<ColumnSpec>& columns = warehouses[0]->columns();
   int64_t stored = 0;
 
-  // Validate every column and route rows to warehouses before touching anything.
+  // Validate every column and route rows to warehouses before touching anything. Every column routes a
+  // row to the same warehouse; lengths and source offsets are per column.
   struct Route {
-    std::vector<int64_t> rows, lengths, src_offsets;
+    std::vector<int64_t> rows;
+    std::vector<std::vector<int64_t>> lengths, src_offsets;  // [column k][row]
   };
-  std::vector<std::vector<Route>> routes(inputs.size(), std::vector<Route>(S));
+  std::vector<Route> routes(S);
+  for (size_t i = 0; i < n; ++i) routes[route(rows[i])].rows.push_back(rows[i]);
+  for (Route& r : routes) {
+    r.lengths.resize(inputs.size());
+    r.src_offsets.resize(inputs.size());
+  }
+  std::vector<int> column_ids;
   for (size_t k = 0; k < inputs.size(); ++k) {
     const ColumnInput& in = inputs[k];
     MSRL_CHECK(in.column >= 0 && in.column < static_cast<int>(columns.size()), kNotFound, "column id ", in.column,
@@ -350,20 +358,18 @@ int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::func
       MSRL_CHECK(inputs[j].column != in.column, kInvalidArgument, "column '", columns[in.column].name,
                  "' given twice in one put");
     }
+    column_ids.push_back(in.column);
     const ColumnSpec& spec = columns[in.column];
+    MSRL_CHECK(!spec.ragged || in.lengths != nullptr, kInvalidArgument, "column '", spec.name,
+               "' is ragged: lengths required");
     const int64_t item = static_cast<int64_t>(spec.item_bytes());
     int64_t off = 0;
     for (size_t i = 0; i < n; ++i) {
-      int64_t len = 1;
-      if (spec.ragged) {
-        MSRL_CHECK(in.lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths required");
-        len = in.lengths[i];
-        MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': negative length ", len, " at row ", rows[i]);
-      }
-      Route& r = routes[k][route(rows[i])];
-      r.rows.push_back(rows[i]);
-      r.lengths.push_back(len);
-      r.src_offsets.push_back(off);
+      const int64_t len = spec.ragged ? in.lengths[i] : 1;
+      MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': negative length ", len, " at row ", rows[i]);
+      Route& r = routes[route(rows[i])];
+      r.lengths[k].push_back(len);
+      r.src_offsets[k].push_back(off);
       off += len * item;
     }
     MSRL_CHECK(static_cast<size_t>(off) == in.nbytes, kInvalidArgument, "column '", spec.name, "': ", n, " rows need ",
@@ -371,29 +377,28 @@ int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::func
     stored += off;
   }
 
-  std::vector<std::pair<int, Reservation>> reserved;
-  reserved.reserve(inputs.size() * S);
-  std::vector<size_t> route_of;  // index into (k, w) for each reservation
+  // Reserve in every warehouse (all or none), copy without locks, commit.
+  std::vector<std::pair<int, std::vector<Reservation>>> reserved;
   try {
-    for (size_t k = 0; k < inputs.size(); ++k) {
-      for (int w = 0; w < S; ++w) {
-        const Route& r = routes[k][w];
-        if (r.rows.empty()) continue;
-        reserved.emplace_back(w,
-                              warehouses[w]->reserve(inputs[k].column, r.rows.data(), r.rows.size(), r.lengths.data()));
-        route_of.push_back(k * S + w);
-      }
+    for (int w = 0; w < S; ++w) {
+      const Route& r = routes[w];
+      if (r.rows.empty()) continue;
+      std::vector<const int64_t*> lens;
+      for (const auto& l : r.lengths) lens.push_back(l.data());
+      reserved.emplace_back(w, warehouses[w]->reserve_columns(column_ids, r.rows.data(), r.rows.size(), lens));
     }
   } catch (...) {
-    for (auto& [w, res] : reserved) warehouses[w]->abort(res);
+    for (auto& [w, res] : reserved)
+      for (const Reservation& x : res) warehouses[w]->abort(x);
     throw;
   }
-  for (size_t i = 0; i < reserved.size(); ++i) {
-    const size_t k = route_of[i] / S, w = route_of[i] % S;
-    warehouses[reserved[i].first]->write(reserved[i].second, static_cast<const uint8_t*>(inputs[k].data),
-                                         routes[k][w].src_offsets.data());
+  for (auto& [w, res] : reserved) {
+    for (size_t k = 0; k < res.size(); ++k) {
+      warehouses[w]->write(res[k], static_cast<const uint8_t*>(inputs[k].data), routes[w].src_offsets[k].data());
+    }
   }
-  for (auto& [w, res] : reserved) warehouses[w]->commit(res);
+  for (auto& [w, res] : reserved)
+    for (const Reservation& x : res) warehouses[w]->commit(x);
   return stored;
 }
 

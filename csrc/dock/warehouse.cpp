@@ -186,6 +186,21 @@ void Warehouse::commit(const Reservation& r) {
   a.rows_written += static_cast<int64_t>(r.rows.size());
 }
 
+std::vector<Reservation> Warehouse::reserve_columns(const std::vector<int>& columns, const int64_t* rows, size_t n,
+                                                    const std::vector<const int64_t*>& lengths) {
+  MSRL_CHECK(lengths.size() == columns.size(), kInvalidArgument, "reserve: ", lengths.size(), " lengths for ",
+             columns.size(), " columns");
+  std::vector<Reservation> res;
+  res.reserve(columns.size());
+  try {
+    for (size_t k = 0; k < columns.size(); ++k) res.push_back(reserve(columns[k], rows, n, lengths[k]));
+  } catch (...) {
+    for (const Reservation& r : res) abort(r);
+    throw;
+  }
+  return res;
+}
+
 void Warehouse::abort(const Reservation& r) {
   std::lock_guard<std::mutex> lock(mu_);
   Arena& a = arenas_[r.column];

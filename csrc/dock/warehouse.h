@@ -82,6 +82,10 @@ class Warehouse {
   // written, a negative length or an arena overflow (OutOfMemory naming column and bytes).
   // lengths: items per row for ragged columns, ignored (may be null) for fixed ones.
   Reservation reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths);
+  // The same rows in several columns, all or none: on an error every reservation made is aborted.
+  // lengths[k]: items per row of columns[k] (null for a fixed column).
+  std::vector<Reservation> reserve_columns(const std::vector<int>& columns, const int64_t* rows, size_t n,
+                                           const std::vector<const int64_t*>& lengths);
   // Copies row i's bytes from src + src_offsets[i]; no lock held (rows are reserved to the caller).
   void write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets);
   void commit(const Reservation& r);  // rows become readable
