@@ -623,7 +623,7 @@ struct SplitDock {
     try {
       store(in, rows);
     } catch (...) {
-      ctl.abort_put(id, rows.data(), rows.size());
+      ctl.abort_put(id);
       throw;
     }
     std::vector<ColumnMark> marks;
@@ -764,7 +764,7 @@ TEST(DockCore, ResetRefusesWhileAPutIsInFlightAndForceAbandonsIt) {
   std::vector<int64_t> again;
   const uint64_t p2 = d.begin_put_new(4, &again);
   EXPECT_EQ(again, rows);  // the freed rows, handed out again
-  d.abort_put(put, rows.data(), rows.size());
+  d.abort_put(put);
   EXPECT_EQ(d.allocated_rows(), 4);
   d.publish(p2, {{0, nullptr}}, again.data(), again.size());
   EXPECT_EQ(d.controller(0).progress().ready_rows, 4);
@@ -776,7 +776,14 @@ TEST(DockCore, AbortedPutsGiveTheirRowsBackAndFailedChecksRegisterNothing) {
   DockCore d(metadata_config());
   std::vector<int64_t> rows;
   const uint64_t put = d.begin_put_new(4, &rows);
-  d.abort_put(put, rows.data(), rows.size());
+  std::vector<int64_t> other;
+  const uint64_t other_put = d.begin_put_new(2, &other);
+  d.abort_put(put);  // gives back its own rows only
+  EXPECT_EQ(d.allocated_rows(), 2);
+  d.abort_put(put);  // an ended put: ignored
+  d.abort_put(12345);
+  EXPECT_EQ(d.allocated_rows(), 2);
+  d.abort_put(other_put);
   EXPECT_EQ(d.allocated_rows(), 0);
   EXPECT_EQ(d.puts_in_flight(), 0);
   EXPECT_EQ(code_of([&] { d.publish(put, {{0, nullptr}}, rows.data(), rows.size()); }), Code::kInvalidArgument);
@@ -790,6 +797,9 @@ TEST(DockCore, AbortedPutsGiveTheirRowsBackAndFailedChecksRegisterNothing) {
   uint64_t claim_id = 0;
   auto got = d.claim(0, 2, 2, 0, nullptr, 0, &claim_id);
   EXPECT_EQ(code_of([&] { d.begin_put(got.data(), got.size(), 0, 0, claim_id + 1); }), Code::kInvalidArgument);
+  const uint64_t into = d.begin_put(got.data(), got.size(), 0, 0, claim_id);
+  d.abort_put(into);  // a put into existing rows frees nothing
+  EXPECT_EQ(d.allocated_rows(), 4);
   EXPECT_EQ(d.puts_in_flight(), 0);
   EXPECT_EQ(d.allocated_rows(), 4);
 }
@@ -820,7 +830,7 @@ TEST(DockCore, LocalResetRefusesWhileALocalPutIsRegistered) {
   std::vector<int64_t> rows;
   const uint64_t put = d.begin_put_new(2, &rows);
   EXPECT_EQ(code_of([&] { d.reset(); }), Code::kInvalidArgument);
-  d.abort_put(put, rows.data(), rows.size());
+  d.abort_put(put);
   d.reset();
   EXPECT_EQ(d.epoch(), 1u);
 }

@@ -224,18 +224,8 @@ void bind_dock(py::module_& m) {
           },
           py::arg("put"), py::arg("columns"), py::arg("rows"), py::arg("stage") = -1, py::arg("claim_id") = 0,
           "Publishes a put: columns are (column id, lengths or None); ends the put.")
-      .def(
-          "abort_put",
-          [](dock::DockCore& d, uint64_t put, py::object new_rows) {
-            if (new_rows.is_none()) {
-              d.abort_put(put);
-              return;
-            }
-            I64Array rows = new_rows.cast<I64Array>();
-            d.abort_put(put, rows.data(), static_cast<size_t>(rows.size()));
-          },
-          py::arg("put"), py::arg("new_rows") = py::none(),
-          "Ends a put that stored nothing; new_rows (from begin_put_new) go back to the allocator.")
+      .def("abort_put", &dock::DockCore::abort_put, py::arg("put"),
+           "Ends a put that stored nothing; the rows begin_put_new allocated for it go back to the allocator.")
       .def_property_readonly("puts_in_flight", &dock::DockCore::puts_in_flight)
       .def("begin_reset", &dock::DockCore::begin_reset, py::arg("force") = false)
       .def(

@@ -155,11 +155,9 @@ std::vector<int64_t> DockCore::allocate(int64_t n) {
   return rows;
 }
 
-void DockCore::free_rows(const std::vector<int64_t>& rows) {
-  const int64_t G = config_.group_size;
+void DockCore::free_groups(const std::vector<int64_t>& groups) noexcept {
   std::lock_guard<std::mutex> lock(alloc_mu_);
-  for (size_t i = 0; i < rows.size(); i += G) {
-    const int64_t g = rows[i] / G;
+  for (int64_t g : groups) {
     group_allocated_[g] = 0;
     returned_.push_back(g);
     --allocated_groups_;
@@ -195,7 +193,7 @@ std::vector<int64_t> DockCore::put_new(const std::vector<ColumnInput>& inputs, i
   try {
     store(inputs, rows.data(), rows.size(), &timer.bytes);
   } catch (...) {
-    abort_put(id, rows.data(), rows.size());
+    abort_put(id);  // gives the rows back
     throw;
   }
   publish(id, marks_of(inputs), rows.data(), rows.size());  // ends the put; its rows stay
@@ -232,7 +230,7 @@ uint64_t DockCore::register_put() {
                " s for a reset() in flight; nothing stored");
   }
   const uint64_t id = ++next_put_;
-  puts_.insert(id);
+  puts_.emplace(id, std::vector<int64_t>{});
   return id;
 }
 
@@ -244,6 +242,13 @@ uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows) {
     abort_put(id);
     throw;
   }
+  std::vector<int64_t> groups;
+  for (size_t i = 0; i < rows->size(); i += static_cast<size_t>(config_.group_size)) {
+    groups.push_back((*rows)[i] / config_.group_size);
+  }
+  std::lock_guard<std::mutex> lock(gate_mu_);
+  auto it = puts_.find(id);
+  if (it != puts_.end()) it->second = std::move(groups);  // else abandoned by reset(force), which freed them
   return id;
 }
 
@@ -277,10 +282,10 @@ void DockCore::publish(uint64_t put, const std::vector<ColumnMark>& columns, con
   try {
     publish_locked(columns, rows, n, stage, claim_id);
   } catch (...) {
-    abort_put(put);
+    end_put(put);  // readiness may be partly published: the rows stay allocated
     throw;
   }
-  abort_put(put);
+  end_put(put);
   // put() and put_new() time themselves; a metadata-only dock counts the puts published here.
   if (!config_.store_bytes) put_stats.record(0, static_cast<int64_t>(n), 0);
 }
@@ -304,15 +309,21 @@ void DockCore::publish_locked(const std::vector<ColumnMark>& columns, const int6
   for (const auto& c : controllers_) c->complete_by_put(ids, rows, n);
 }
 
-void DockCore::abort_put(uint64_t put, const int64_t* new_rows, size_t n) noexcept {
-  bool live = false;
+void DockCore::abort_put(uint64_t put) noexcept {
+  std::vector<int64_t> groups;
   {
     std::lock_guard<std::mutex> lock(gate_mu_);
-    live = puts_.erase(put) != 0;
+    auto it = puts_.find(put);
+    if (it == puts_.end()) return;  // ended, or abandoned by reset(force): that reset freed its rows
+    groups = std::move(it->second);
+    puts_.erase(it);
   }
-  if (!live || new_rows == nullptr || n == 0) return;  // abandoned by reset(force): the reset freed its rows
-  std::vector<int64_t> rows(new_rows, new_rows + n);
-  free_rows(rows);
+  if (!groups.empty()) free_groups(groups);
+}
+
+void DockCore::end_put(uint64_t put) noexcept {
+  std::lock_guard<std::mutex> lock(gate_mu_);
+  puts_.erase(put);
 }
 
 int64_t DockCore::puts_in_flight() const {

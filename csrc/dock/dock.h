@@ -17,7 +17,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -118,9 +118,10 @@ class DockCore {
   //    nothing published when reset(force) abandoned the put.
   void publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage = -1,
                uint64_t claim_id = 0);
-  //    Or abort (the bytes could not be stored): ends the put; new_rows (those of begin_put_new) go back
-  //    to the allocator unless reset(force) abandoned the put (the reset freed them). Never throws.
-  void abort_put(uint64_t put, const int64_t* new_rows = nullptr, size_t n = 0) noexcept;
+  //    Or abort (the bytes could not be stored): ends the put; the rows begin_put_new allocated for it go
+  //    back to the allocator, unless reset(force) abandoned the put (the reset freed them). Unknown ids
+  //    and ended puts are ignored. Never throws.
+  void abort_put(uint64_t put) noexcept;
   int64_t puts_in_flight() const;
   static constexpr double kResetWaitS = 30.0;  // a put that begins during a reset waits this long
 
@@ -181,13 +182,14 @@ class DockCore {
 
  private:
   std::vector<int64_t> allocate(int64_t n);
-  uint64_t register_put();  // waits while a reset runs
+  uint64_t register_put();              // waits while a reset runs
+  void end_put(uint64_t put) noexcept;  // published: the put's rows stay
   void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
                       uint64_t claim_id);
   void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);
   std::vector<int64_t> reset_state(bool keep_unfinished);  // ops_mu_ held exclusively, resetting_ set
   void need_bytes(const char* op) const;
-  void free_rows(const std::vector<int64_t>& rows);
+  void free_groups(const std::vector<int64_t>& groups) noexcept;
   void check_allocated(const int64_t* rows, size_t n) const;
   void check_epoch(int64_t epoch) const;
   std::atomic<uint64_t> epoch_{0};
@@ -212,7 +214,9 @@ class DockCore {
   // The ledger of puts in flight and the reset gate.
   mutable std::mutex gate_mu_;
   std::condition_variable gate_cv_;
-  std::unordered_set<uint64_t> puts_;  // ids of the puts between begin and publish/abort
+  // The puts between begin and publish/abort: id -> the groups begin_put_new allocated for it (none for
+  // a put into existing rows), freed by abort_put.
+  std::unordered_map<uint64_t, std::vector<int64_t>> puts_;
   uint64_t next_put_ = 0;
   bool resetting_ = false;
 };

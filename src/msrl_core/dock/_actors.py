@@ -84,7 +84,8 @@ class ControllerState:
 
     A client's put runs the DockCore put protocol: ``allocate`` / ``check_put`` (begin: registered in
     flight, a reset refuses or, forced, abandons it), then the client stores the bytes in the warehouses,
-    then ``mark_ready`` (publish: readiness, completion, end) or ``free`` / ``end_put`` (abort)."""
+    then ``mark_ready`` (publish: readiness, completion, end) or ``end_put`` (abort: rows allocated for
+    the put go back)."""
 
     def __init__(
         self,
@@ -106,7 +107,7 @@ class ControllerState:
 
     # the put protocol (DockCore: begin -> the client stores the bytes -> publish, or abort)
     def allocate(self, n: int) -> tuple[np.ndarray, int]:
-        """Rows for a put of n new rows and the put's id (pass it to mark_ready, or free on failure)."""
+        """Rows for a put of n new rows and the put's id (pass it to mark_ready, or end_put on failure)."""
         return self.core.begin_put_new(n)
 
     def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> int:
@@ -127,11 +128,9 @@ class ControllerState:
         the stages that wrote the columns; ends the put."""
         self.core.publish(put_id, columns, rows, stage, claim_id)
 
-    def free(self, rows: np.ndarray, put_id: int = 0) -> None:
-        """Ends a failed put of new rows and gives its rows back (unless a forced reset freed them)."""
-        self.core.abort_put(put_id, rows)
-
     def end_put(self, put_id: int) -> None:
+        """Ends a put that stored nothing: rows allocated for it go back (unless a forced reset freed
+        them). Ids of ended or abandoned puts are ignored."""
         self.core.abort_put(put_id)
 
     def claim(
@@ -201,7 +200,6 @@ class ControllerState:
             "claim": self.claim,
             "mark_ready": self.mark_ready,
             "allocate": self.allocate,
-            "free": self.free,
             "check_put": self.check_put,
             "end_put": self.end_put,
             "complete": self.complete,

@@ -446,7 +446,7 @@ class RayBackend:
             self._put_rows(inputs, rows, put_id)
         except BaseException:
             with contextlib.suppress(MsrlError):  # e.g. the controller died: nothing to give back
-                self._ctl("free", rows, put_id)
+                self._ctl("end_put", put_id)  # its rows go back
             raise
         return rows
 
