@@ -526,7 +526,8 @@ class RayBackend:
         self._ctl("complete", stage, rows, epoch, claim_id)
 
     def reset(self, force: bool = False, keep_unfinished: bool = False) -> np.ndarray:
-        # One controller call, atomic against puts (ControllerState.reset); views dropped here unpin first.
+        # One controller call, atomic against puts (ControllerState.reset: DockCore's reset in steps); views
+        # dropped here unpin first.
         self._unpinner.flush()
         ref = self.controller.call.remote("reset", keep_unfinished, force, self.warehouses, self.op_timeout)
         return self._get(ref, "controller", 3 * self.op_timeout)  # it waits on the warehouses twice
