@@ -179,7 +179,8 @@ def test_plot_skips_absent_metrics(tmp_path):
 
 
 def test_report_main(tmp_path, capsys):
-    _write_rows(tmp_path, _demo_rows(4))
+    # The trainer appends the final policy's validation as a row of its own after the last step.
+    _write_rows(tmp_path, [*_demo_rows(4), {"step": 4, "val/score/mean": 0.9}])
     assert report_main(tmp_path) == 0
     out = capsys.readouterr().out
     assert "4 steps in" in out and "grpo/score/mean" in out and "timing.png" in out

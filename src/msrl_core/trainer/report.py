@@ -179,7 +179,9 @@ def report_main(run_dir: str | os.PathLike[str]) -> int:
     if not rows:
         print(f"msrl report: {metrics} has no finished step yet", file=sys.stderr)
         return 1
-    print(f"{len(rows)} steps in {metrics}")
+    # A row with only validation figures (the final policy's, after the last step) is not a step.
+    steps = sum(1 for row in rows if any(k != "step" and not k.startswith("val/") for k in row))
+    print(f"{steps} steps in {metrics}")
     print(summary_table(rows))
     for path in plot(run_dir):
         print(f"wrote {path}")
