@@ -611,31 +611,14 @@ struct SplitDock {
       whs.push_back(std::make_unique<Warehouse>(w, first, rows, ctl.config().columns));
     }
   }
-  void store(const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows) {
+  // Steps 2 and 3 of a put begun as `id`: store the bytes in the warehouses, then publish (or abort).
+  void store_and_publish(uint64_t id, const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows,
+                         int stage = -1, uint64_t claim_id = 0) {
     std::vector<Warehouse*> ptrs;
     for (auto& w : whs) ptrs.push_back(w.get());
-    store_columns(
-        ptrs, [this](int64_t r) { return ctl.warehouse_of(r); }, in, rows.data(), rows.size());
-  }
-  std::vector<int64_t> put_new(const std::vector<ColumnInput>& in, int64_t n) {
-    std::vector<int64_t> rows;
-    const uint64_t id = ctl.begin_put_new(n, &rows);
     try {
-      store(in, rows);
-    } catch (...) {
-      ctl.abort_put(id);
-      throw;
-    }
-    std::vector<ColumnMark> marks;
-    for (const auto& c : in) marks.push_back({c.column, c.lengths});
-    ctl.publish(id, marks, rows.data(), rows.size());
-    return rows;
-  }
-  void put(const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows, int64_t epoch, int stage,
-           uint64_t claim_id) {
-    const uint64_t id = ctl.begin_put(rows.data(), rows.size(), epoch, stage, claim_id);
-    try {
-      store(in, rows);
+      store_columns(
+          ptrs, [this](int64_t r) { return ctl.warehouse_of(r); }, in, rows.data(), rows.size());
     } catch (...) {
       ctl.abort_put(id);
       throw;
@@ -643,6 +626,15 @@ struct SplitDock {
     std::vector<ColumnMark> marks;
     for (const auto& c : in) marks.push_back({c.column, c.lengths});
     ctl.publish(id, marks, rows.data(), rows.size(), stage, claim_id);
+  }
+  std::vector<int64_t> put_new(const std::vector<ColumnInput>& in, int64_t n) {
+    std::vector<int64_t> rows;
+    store_and_publish(ctl.begin_put_new(n, &rows), in, rows);
+    return rows;
+  }
+  void put(const std::vector<ColumnInput>& in, const std::vector<int64_t>& rows, int64_t epoch, int stage,
+           uint64_t claim_id) {
+    store_and_publish(ctl.begin_put(rows.data(), rows.size(), epoch, stage, claim_id), in, rows, stage, claim_id);
   }
   std::vector<int64_t> reset(bool keep) {
     ctl.begin_reset();
