@@ -2,14 +2,16 @@
 
   python bench/ab_dock.py --old OLD_TREE --new NEW_TREE [--rounds 3] [--steps 10]
                           [--python .venv/bin/python] [--tq-python .venv-bench/bin/python]
+                          [--extra-systems dock-ray-xnode,dock-ray-2node] [--scripts own|new]
   python bench/ab_dock.py --summarize bench/results/dock_ab_<date>.jsonl
 
 Each tree is a checkout with its extension built in place (src/msrl_core/_core*.so, e.g. by a dev
 build). Per round and tree, one after the other: `dock_bench.py local` and `dock_bench.py grpo
 --systems dock-ray,central --steps N`, each run with PYTHONPATH=<tree>/src from <tree> (so the JSON
 lines carry its commit), with the tree's own bench/ scripts (--scripts new: the new tree's scripts for
-both). Then one `grpo --systems tq` run (new tree, --tq-python) so TransferQueue is measured in the
-same run. One process at a time. The JSON lines, each tagged with ab_side/ab_round/ab_tree, go to
+both). Then, once each with the new tree: `grpo --systems <--extra-systems>` (e.g. the cross-node
+systems) and `grpo --systems tq` (--tq-python) so TransferQueue is measured in the same run. One
+process at a time. The JSON lines, each tagged with ab_side/ab_round/ab_tree, go to
 bench/results/dock_ab_<date>.jsonl; a table of medians per figure goes to stdout and to a .md beside;
 the runs' stderr to a log in the temp directory. Exit status 1 when a run failed.
 """
@@ -64,6 +66,7 @@ def _get(row: dict, path: str) -> Any:
 # (label, case, system or None, field path, unit)
 FIGURES = [
     ("local claim p50 (64 of 16k rows)", "claim64", None, "p50_us", "µs"),
+    ("local numpy-rescan baseline / dock claim, same run", "claim64", None, "ratio_baseline_over_dock", "×"),
     ("local put+fetch / warm memcpy", "put_fetch", None, "ratio_put_fetch_vs_memcpy_warm", "×"),
     ("local bulk cycle peak PSS / payload", "memory_bulk", None, "peak_over_payload", "×"),
     ("GRPO dock-ray samples/s", "grpo_stream", "dock-ray", "samples_per_s", "/s"),
@@ -80,7 +83,7 @@ FIGURES = [
     ("GRPO dock-ray blocked-claim wake p50", "grpo_stream", "dock-ray", "wake_delay_ms.p50", "ms"),
     ("GRPO central uncontended claim p50", "grpo_stream", "central", "claim_uncontended.p50_us", "µs"),
 ]
-TQ_FIGURES = [
+SINGLE_FIGURES = [  # of the single runs (TransferQueue, --extra-systems) beside the new dock-ray
     ("samples/s", "samples_per_s", "/s"),
     ("claim p50 under workload", "claim.p50_us", "µs"),
     ("uncontended claim p50", "claim_uncontended.p50_us", "µs"),
@@ -121,13 +124,32 @@ def summarize(rows: list[dict]) -> str:
         new = _values(rows, "new", case, system, path)
         ratio = f"{statistics.median(new) / statistics.median(old):.2f}" if old and new else "—"
         lines.append(f"| {label} ({unit}) | {_fmt(old)} | {_fmt(new)} | {ratio} |")
-    if any(r.get("ab_side") == "tq" and r.get("case") == "grpo_stream" for r in rows):
-        lines += ["", "| TransferQueue (same run) | tq | new dock-ray / tq (medians) |", "|---|---|---|"]
-        for label, path, unit in TQ_FIGURES:
-            t = _values(rows, "tq", "grpo_stream", "tq", path)
+    single = sorted(
+        {
+            (r["ab_side"], r["system"])
+            for r in rows
+            if r.get("ab_side") in ("tq", "extra") and "samples_per_s" in r
+        }
+    )
+    if single:
+        names = " | ".join(f"{system} (dock-ray / it)" for _, system in single)
+        lines += [
+            "",
+            f"| single runs, new tree | dock-ray (new) | {names} |",
+            "|---" * (2 + len(single)) + "|",
+        ]
+        for label, path, unit in SINGLE_FIGURES:
             d = _values(rows, "new", "grpo_stream", "dock-ray", path)
-            ratio = f"{statistics.median(d) / statistics.median(t):.2f}" if t and d else "—"
-            lines.append(f"| {label} ({unit}) | {_fmt(t)} | {ratio} |")
+            cells = [_fmt(d)]
+            for side, system in single:
+                x = _values(rows, side, "grpo_stream", system, path)
+                ratio = (
+                    f" ({statistics.median(d) / statistics.median(x):.2f})"
+                    if x and d and statistics.median(x)
+                    else ""
+                )
+                cells.append(_fmt(x) + ratio)
+            lines.append(f"| {label} ({unit}) | {' | '.join(cells)} |")
     errors = [f"{r.get('ab_side')}/{r.get('system')}: {r['error']}" for r in rows if "error" in r]
     head = [f"{side}: commit {c} ({t})" for side, (c, t) in sorted(trees.items())]
     return "\n".join(
@@ -151,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
     ap.add_argument("--python", default=sys.executable, help="interpreter for the dock runs")
     ap.add_argument("--tq-python", default=None, help="interpreter with transferqueue (none: no tq run)")
+    ap.add_argument(
+        "--extra-systems",
+        default="",
+        help="grpo systems run once with the new tree after the rounds, e.g. dock-ray-xnode,dock-ray-2node",
+    )
     ap.add_argument(
         "--scripts", choices=("own", "new"), default="own", help="bench/ scripts of each tree, or new's"
     )
@@ -180,10 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                 tag = {"ab_side": side, "ab_round": rnd, "ab_tree": str(tree), "ab_scripts": str(scripts)}
                 for args in (["local"], grpo):
                     failed += run_one(tree, scripts, a.python, args, tag, out, log) != 0
-        if a.tq_python:
-            tag = {"ab_side": "tq", "ab_round": 0, "ab_tree": str(new), "ab_scripts": str(new / "bench")}
-            tq = ["grpo", "--systems", "tq", "--steps", str(a.steps)]
-            failed += run_one(new, new / "bench", a.tq_python, tq, tag, out, log) != 0
+        singles = [("extra", a.python, a.extra_systems)] if a.extra_systems else []
+        singles += [("tq", a.tq_python, "tq")] if a.tq_python else []
+        for side, python, systems in singles:
+            tag = {"ab_side": side, "ab_round": 0, "ab_tree": str(new), "ab_scripts": str(new / "bench")}
+            args = ["grpo", "--systems", systems, "--steps", str(a.steps)]
+            failed += run_one(new, new / "bench", python, args, tag, out, log) != 0
     table = summarize([json.loads(x) for x in out_path.read_text().splitlines() if x.strip()])
     out_path.with_suffix(".md").write_text(table + "\n")
     print(table)
