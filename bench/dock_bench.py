@@ -2,6 +2,8 @@
 
   python bench/dock_bench.py local          # claim latency, put+fetch bandwidth, memory (local backend)
   python bench/dock_bench.py grpo [--systems dock-ray,central,tq] [--steps 10]   # GRPO streaming workload
+      more systems: dock-ray-xnode (fast_path=False: Ray calls only, one node), dock-ray-2node (two raylets
+      on this machine, one warehouse and half the stage workers on each)
   python bench/dock_bench.py memory-ray     # 288 MiB bulk cycle through the Ray backend
 
 Cases (local):

@@ -86,6 +86,12 @@ class DockClient:
     def reset(self) -> None:
         self.dock.reset()
 
+    def paths(self) -> dict:
+        try:  # reporting only; None where the backend has no such notion
+            return {"data_via_shared_arenas": bool(self.dock._backend._shared())}
+        except Exception:
+            return {"data_via_shared_arenas": None}
+
 
 class CentralClient:
     name = "central"
@@ -136,6 +142,9 @@ class CentralClient:
         import ray
 
         ray.get(self.h.reset.remote())
+
+    def paths(self) -> dict:
+        return {}
 
 
 class TQClient:
@@ -208,6 +217,9 @@ class TQClient:
     def reset(self) -> None:
         self._client().clear_partition("train")
 
+    def paths(self) -> dict:
+        return {}
+
 
 # ---- workers ----------------------------------------------------------------------------------
 
@@ -274,6 +286,12 @@ class Worker:
     def report(self) -> dict:
         return {"t": self.t, "bytes": self.bytes, "rows": self.rows_done}
 
+    def where(self) -> dict:
+        """This worker's Ray node and, for the dock, whether its data calls use the shared arenas."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), **self.client.paths()}
+
     # extra cases
     def claim_latency(self, rounds: int) -> list[float]:
         lat = []
@@ -294,10 +312,14 @@ class Worker:
 # ---- driver -----------------------------------------------------------------------------------
 
 
+_CLUSTERS: list = []  # dock-ray-2node's ray.cluster_utils.Cluster, shut down after ray.shutdown()
+
+
 def start_ray(num_cpus: int) -> None:
     import ray
 
     ray.init(
+        address="local",  # a new Ray of its own: never attach to another cluster running on the machine
         num_cpus=num_cpus,
         object_store_memory=1024 * 1024 * 1024,
         include_dashboard=False,
@@ -307,13 +329,48 @@ def start_ray(num_cpus: int) -> None:
     )
 
 
+def start_two_nodes(num_cpus: int) -> None:
+    """Two raylets on this machine (ray.cluster_utils.Cluster), each with its own object store and a
+    custom resource (node_a on the head, where the driver runs; node_b) to place workers by."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = 384 << 20
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": num_cpus,
+            "object_store_memory": store,
+            "resources": {"node_a": 100},
+            "include_dashboard": False,
+        },
+    )
+    _CLUSTERS.append(cluster)
+    cluster.add_node(num_cpus=num_cpus, object_store_memory=store, resources={"node_b": 100})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+
+
+def stop_ray() -> None:
+    import ray
+
+    ray.shutdown()
+    while _CLUSTERS:
+        _CLUSTERS.pop().shutdown()
+
+
 def make_system(name: str, capacity: int, group: int):
     import ray
 
-    if name in ("dock-ray", "dock-ray-xnode"):
+    if name in ("dock-ray", "dock-ray-xnode", "dock-ray-2node"):
         # dock-ray-xnode: the path of clients on another node (Ray actor calls and the object store; no
         # same-node socket, no shared arenas), forced on this one node with fast_path=False.
-        start_ray(os.cpu_count() or 2)
+        # dock-ray-2node: two raylets, one warehouse on each (warehouses=2 spreads them over the alive
+        # nodes), the stage workers split over both nodes (run_system places them).
+        if name == "dock-ray-2node":
+            start_two_nodes(os.cpu_count() or 2)
+        else:
+            start_ray(os.cpu_count() or 2)
         from msrl_core import Column, Dock
 
         r = Column("int64", ragged=True, max_len=1400)
@@ -332,7 +389,7 @@ def make_system(name: str, capacity: int, group: int):
             group_size=group,
             warehouses=2,
             backend="ray",
-            fast_path=name == "dock-ray",
+            fast_path=name != "dock-ray-xnode",
         )
         return DockClient(dock), dock.shutdown
     if name == "central":
@@ -363,6 +420,66 @@ def make_system(name: str, capacity: int, group: int):
     raise ValueError(name)
 
 
+# dock-ray-2node: the node of each worker (by seed); the driver runs on node_a (the head)
+TWO_NODE_PLACEMENT = {
+    1: "node_a",
+    2: "node_b",
+    3: "node_a",
+    4: "node_b",
+    5: "node_b",
+    6: "node_a",
+    9: "node_b",
+    10: "node_b",
+}
+WORKER_NAMES = {
+    1: "rollout#1",
+    2: "rollout#2",
+    3: "reference",
+    4: "reward",
+    5: "critic",
+    6: "update",
+    9: "probe",
+    10: "waiter",
+}
+
+
+def two_node_report(workers: dict[int, Any]) -> dict:
+    """Where the dock's actors and the clients run in dock-ray-2node, by node label (node_a: head)."""
+    import ray
+    from ray._private import state
+
+    label = {
+        n["NodeID"]: next((k for k in n["Resources"] if k in ("node_a", "node_b")), n["NodeID"][:8])
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+    ctl, whs = [], []
+    for a in state.actors().values():
+        if a.get("State") != "ALIVE":
+            continue
+        cls, node = a.get("ActorClassName", ""), label.get(a.get("Address", {}).get("NodeID"), "?")
+        if "Warehouse" in cls:
+            whs.append(node)
+        elif "Controller" in cls:
+            ctl.append(node)
+    where = dict(zip(workers, ray.get([w.where.remote() for w in workers.values()], timeout=120)))
+    clients = {"driver": "node_a"} | {WORKER_NAMES[k]: label.get(v["node"], "?") for k, v in where.items()}
+    stream = [n for k, n in clients.items() if k not in ("probe", "waiter")]  # driver + stage workers
+    return {
+        "controller_node": ctl[0] if len(ctl) == 1 else ctl,
+        "warehouse_nodes": sorted(whs),
+        "client_nodes": clients,
+        "stream_clients_on_other_node": f"{stream.count('node_b')}/{len(stream)}",
+        "stream_clients_on_other_node_fraction": round(stream.count("node_b") / len(stream), 2),
+        "stream_clients_off_controller_node_fraction": round(
+            sum(n not in ctl for n in stream) / len(stream), 2
+        ),
+        "data_via_shared_arenas": {
+            WORKER_NAMES[k]: v.get("data_via_shared_arenas") for k, v in where.items()
+        },
+    }
+
+
 def pcts(xs: list[float]) -> dict:
     if not xs:
         return {"p50_us": None, "p99_us": None, "n": 0}
@@ -382,28 +499,37 @@ def run_system(name: str, args, emit) -> dict:
     P, G = args.prompts, args.group
     capacity = P * G
     client, shutdown = make_system(name, capacity, G)
-    wcls = ray.remote(Worker).options(num_cpus=0.05, max_concurrency=2)
+    wopts: dict[str, Any] = {"num_cpus": 0.05, "max_concurrency": 2}
+    by_seed: dict[int, Any] = {}
+
+    def worker(stage: str, n: int, seed: int):
+        opts = dict(wopts)
+        if name == "dock-ray-2node":
+            opts["resources"] = {TWO_NODE_PLACEMENT[seed]: 0.01}
+        by_seed[seed] = ray.remote(Worker).options(**opts).remote(client, stage, n, seed)
+        return by_seed[seed]
+
     workers = {
-        "rollout": [wcls.remote(client, "rollout", 64, 1), wcls.remote(client, "rollout", 64, 2)],
-        "reference": [wcls.remote(client, "reference", 64, 3)],
-        "reward": [wcls.remote(client, "reward", 64, 4)],
-        "critic": [wcls.remote(client, "critic", 64, 5)],
+        "rollout": [worker("rollout", 64, 1), worker("rollout", 64, 2)],
+        "reference": [worker("reference", 64, 3)],
+        "reward": [worker("reward", 64, 4)],
+        "critic": [worker("critic", 64, 5)],
     }
-    update = wcls.remote(client, "update", 256, 6)
+    update = worker("update", 256, 6)
     ray.get([w.report.remote() for ws in workers.values() for w in ws] + [update.report.remote()])
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, 50000, size=(capacity, PROMPT_LEN), dtype=np.int64)
 
     # -- claim latency and wake-up delay, before the workload (quiet machine) --
     lat: list[float] = []
-    probe = wcls.remote(client, "rollout", 64, 9)
+    probe = worker("rollout", 64, 9)
     ray.get(probe.report.remote())
     for _ in range(3):
         client.put_prompts(prompts)
         lat += ray.get(probe.claim_latency.remote(capacity // 64), timeout=300)
         client.reset()
     wake: list[float] = []
-    waiter = wcls.remote(client, "rollout", G, 10)
+    waiter = worker("rollout", G, 10)
     ray.get(waiter.report.remote())  # started before the first trial
     for _ in range(args.wake_trials):
         ref = waiter.blocked_claim.remote()
@@ -460,10 +586,12 @@ def run_system(name: str, args, emit) -> dict:
         "step_payload_bytes": int(payload),
         "statistic": "percentiles over all operations of all workers; wall time over all steps",
     }
+    if name == "dock-ray-2node":
+        row["two_nodes"] = two_node_report(by_seed)
     for h in [update, probe, waiter, *[w for ws in workers.values() for w in ws]]:
         ray.kill(h)
     shutdown()
-    ray.shutdown()
+    stop_ray()
     return row
 
 
@@ -473,10 +601,7 @@ def run_grpo(args, emit) -> None:
         try:
             row = run_system(name, args, emit)
         except Exception as e:  # report and go on: the other systems still run
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
+            stop_ray()
             emit(case="grpo_stream", system=name, error=f"{type(e).__name__}: {e}")
             continue
         results[name] = row
@@ -490,7 +615,11 @@ def run_grpo(args, emit) -> None:
                     )
         emit(**row)
     summary: dict = {"case": "grpo_summary"}
-    for dname, key in (("dock-ray", "dock"), ("dock-ray-xnode", "dock_xnode")):
+    for dname, key in (
+        ("dock-ray", "dock"),
+        ("dock-ray-xnode", "dock_xnode"),
+        ("dock-ray-2node", "dock_2node"),
+    ):
         if dname not in results:  # ratios against baselines that ran after the dock
             continue
         d = results[dname]
