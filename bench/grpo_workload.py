@@ -88,7 +88,9 @@ class DockClient:
 
     def paths(self) -> dict:
         try:  # reporting only; None where the backend has no such notion
-            return {"data_via_shared_arenas": bool(self.dock._backend._shared())}
+            b = self.dock._backend
+            near = [bool(b._near(w)) for w in range(b.num_warehouses)]
+            return {"data_via_shared_arenas": f"{sum(near)}/{len(near)} warehouses"}
         except Exception:
             return {"data_via_shared_arenas": None}
 

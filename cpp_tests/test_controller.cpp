@@ -801,8 +801,9 @@ TEST(DockCore, PutsBegunDuringAResetWaitForItsEnd) {
   d.begin_reset();
   std::atomic<bool> begun{false};
   std::vector<int64_t> rows;
+  uint64_t put_epoch = 99;
   std::thread t([&] {
-    const uint64_t put = d.begin_put_new(2, &rows);
+    const uint64_t put = d.begin_put_new(2, &rows, &put_epoch);
     begun = true;
     d.publish(put, {{0, nullptr}}, rows.data(), rows.size());
   });
@@ -813,6 +814,7 @@ TEST(DockCore, PutsBegunDuringAResetWaitForItsEnd) {
   t.join();
   EXPECT_TRUE(begun.load());
   EXPECT_EQ(d.epoch(), 1u);
+  EXPECT_EQ(put_epoch, 1u);  // the put belongs to the iteration after the reset
   EXPECT_EQ(d.controller(0).progress().ready_rows, 2);  // in the new iteration
 }
 

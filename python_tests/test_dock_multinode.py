@@ -1,6 +1,7 @@
 """Two Ray nodes simulated on this machine (ray.cluster_utils.Cluster: two raylets): warehouses on both
-nodes, clients on each node; a client reaches the other node's warehouse through the cross-node path
-(Ray actor calls and the object store). Separate hosts have not been run."""
+nodes, clients on each node; a client reaches its own node's warehouse through the shared arenas and the
+other node's through the cross-node path (Ray actor calls and the object store), in one put or fetch.
+Separate hosts have not been run."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def two_nodes():
 @ray.remote(num_cpus=0.05)
 def worker(dock: Dock, total: int) -> tuple[str, list[int]]:
     """Claims gen until every row was consumed; puts responses with its claims."""
+    b = dock._backend
+    node = ray.get_runtime_context().get_node_id()
+    assert [b._near(w) for w in range(2)] == [n == node for n, _ in b.wh_endpoints]  # one near, one far
     got: list[int] = []
     while dock.progress()["gen"]["consumed_rows"] < total:
         meta = dock.claim("gen", max_rows=4, timeout=0.2, min_rows=0)
@@ -87,8 +91,11 @@ def test_two_nodes_exactly_once_and_bad_inputs(two_nodes):
     b = dock._backend
     nodes = {n for n, _ in b.wh_endpoints}
     assert len(nodes) == 2  # one warehouse per node
-    assert not b._shared()  # the driver cannot map the other node's arenas: cross-node path
+    # The driver maps its own node's warehouse (near: shared arenas) and reaches the other one through
+    # Ray calls (far); one put spans both.
+    assert sorted(b._near(w) for w in range(2)) == [False, True] and not b._shared()
     rows = dock.put({"prompts": [np.arange(1 + i % 5) + 10 * i for i in range(total)]})
+    assert set(dock.warehouse_of(rows).tolist()) == {0, 1}
     src = {int(r): np.arange(1 + i % 5) + 10 * i for i, r in enumerate(rows)}
     tasks = [
         worker.options(resources={name: 0.01}).remote(dock, total) for name in ("node_a", "node_b", "node_b")
@@ -97,9 +104,13 @@ def test_two_nodes_exactly_once_and_bad_inputs(two_nodes):
     assert len({n for n, _ in results}) == 2  # clients ran on both nodes
     seen = sorted(r for _, got in results for r in got)
     assert seen == sorted(rows.tolist())  # every row exactly once across nodes
-    batch = dock.take("update", max_rows=total, columns=["prompts", "responses"])
+    batch = dock.take("update", max_rows=total, columns=["prompts", "responses"])  # near + far pieces
     for k, r in enumerate(batch.rows.tolist()):
         np.testing.assert_array_equal(batch["responses"][k], src[r] * 2)
+    padded = dock.fetch(batch, ["prompts"], layout="padded")["prompts"]
+    for k, r in enumerate(batch.rows.tolist()):
+        np.testing.assert_array_equal(padded.values[k, : len(src[r])], src[r])
+        assert not padded.values[k, len(src[r]) :].any()
     for name in ("node_a", "node_b"):
         assert ray.get(bad_inputs.options(resources={name: 0.01}).remote(dock), timeout=120) == ["ok"] * 7
     dock.shutdown()

@@ -605,7 +605,7 @@ def test_lengths_that_do_not_match_the_rows_are_refused_by_the_actors():
     be = dock._backend
     rows = dock.put({"prompts": [np.arange(3)] * 4})  # one group, one warehouse
     w = int(dock.warehouse_of(rows[:1])[0])
-    new_rows, put_id = be._ctl("allocate", 4)
+    new_rows, put_id, _ = be._ctl("allocate", 4)
     w_new = int(dock.warehouse_of(new_rows[:1])[0])
     with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
         be._wh(w_new, "reserve", [(1, np.ones(1, np.int64))], new_rows, -1)

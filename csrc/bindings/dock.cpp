@@ -185,22 +185,26 @@ void bind_dock(py::module_& m) {
           "begin_put_new",
           [](dock::DockCore& d, int64_t n) {
             std::vector<int64_t> rows;
-            uint64_t id = 0;
+            uint64_t id = 0, epoch = 0;
             {
               py::gil_scoped_release release;  // may wait for a reset in flight
-              id = d.begin_put_new(n, &rows);
+              id = d.begin_put_new(n, &rows, &epoch);
             }
-            return py::make_tuple(to_array(std::move(rows)), id);
+            return py::make_tuple(to_array(std::move(rows)), id, epoch);
           },
-          py::arg("n"), "(rows, put id): allocates n new rows for a put and registers it in flight.")
+          py::arg("n"), "(rows, put id, iteration): allocates n new rows for a put and registers it in flight.")
       .def(
           "begin_put",
           [](dock::DockCore& d, const I64Array& rows, int64_t epoch, int stage, uint64_t claim_id) {
-            py::gil_scoped_release release;
-            return d.begin_put(rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
+            uint64_t id = 0, put_epoch = 0;
+            {
+              py::gil_scoped_release release;
+              id = d.begin_put(rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id, &put_epoch);
+            }
+            return py::make_tuple(id, put_epoch);
           },
           py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1, py::arg("claim_id") = 0,
-          "Put id: checks a put into allocated rows and registers it in flight.")
+          "(put id, iteration): checks a put into allocated rows and registers it in flight.")
       .def(
           "publish",
           [](dock::DockCore& d, uint64_t put, const py::sequence& cols, const I64Array& rows, int stage,

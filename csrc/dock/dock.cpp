@@ -222,7 +222,7 @@ void DockCore::put(const std::vector<ColumnInput>& inputs, const int64_t* rows, 
   timer.rows = static_cast<int64_t>(n);
 }
 
-uint64_t DockCore::register_put() {
+uint64_t DockCore::register_put(uint64_t* put_epoch) {
   std::unique_lock<std::mutex> lock(gate_mu_);
   if (resetting_) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(kResetWaitS);
@@ -231,11 +231,13 @@ uint64_t DockCore::register_put() {
   }
   const uint64_t id = ++next_put_;
   puts_.emplace(id, std::vector<int64_t>{});
+  // The epoch moves only inside a reset (resetting_, under this lock): the put's iteration is this one.
+  if (put_epoch != nullptr) *put_epoch = epoch_.load();
   return id;
 }
 
-uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows) {
-  const uint64_t id = register_put();
+uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows, uint64_t* put_epoch) {
+  const uint64_t id = register_put(put_epoch);
   try {
     *rows = allocate(n);
   } catch (...) {
@@ -252,11 +254,12 @@ uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows) {
   return id;
 }
 
-uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int stage, uint64_t claim_id) {
+uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int stage, uint64_t claim_id,
+                             uint64_t* put_epoch) {
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
-  const uint64_t id = register_put();  // registered: no reset can start until the put ends
+  const uint64_t id = register_put(put_epoch);  // registered: no reset can start until the put ends
   try {
     check_epoch(epoch);
     check_allocated(rows, n);

@@ -108,9 +108,11 @@ class DockCore {
   //    it). Waits while a reset runs (Timeout after kResetWaitS; nothing changed). begin_put_new
   //    allocates n rows (whole groups) into *rows; begin_put checks a put into existing rows: current
   //    iteration (epoch >= 0, from a claim), allocated, and (stage >= 0, claim_id != 0) still held by the
-  //    claim. Errors register nothing. Returns the put's id (never 0).
-  uint64_t begin_put_new(int64_t n, std::vector<int64_t>* rows);
-  uint64_t begin_put(const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1, uint64_t claim_id = 0);
+  //    claim. Errors register nothing. Returns the put's id (never 0); *put_epoch (optional) receives the
+  //    iteration the put belongs to (warehouses elsewhere refuse its bytes once they have moved on).
+  uint64_t begin_put_new(int64_t n, std::vector<int64_t>* rows, uint64_t* put_epoch = nullptr);
+  uint64_t begin_put(const int64_t* rows, size_t n, int64_t epoch = -1, int stage = -1, uint64_t claim_id = 0,
+                     uint64_t* put_epoch = nullptr);
   // 2. The caller stores the bytes in every warehouse holding some of the rows (reserve, copy, commit).
   // 3. Publish: readiness of the columns for every stage reading them, then completion — of the putting
   //    claim (stage >= 0), or for plain row ids (stage -1) of every stage that holds the rows and reads
@@ -182,8 +184,8 @@ class DockCore {
 
  private:
   std::vector<int64_t> allocate(int64_t n);
-  uint64_t register_put();              // waits while a reset runs
-  void end_put(uint64_t put) noexcept;  // published: the put's rows stay
+  uint64_t register_put(uint64_t* put_epoch);  // waits while a reset runs
+  void end_put(uint64_t put) noexcept;         // published: the put's rows stay
   void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
                       uint64_t claim_id);
   void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);

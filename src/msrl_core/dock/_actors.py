@@ -106,13 +106,16 @@ class ControllerState:
         return self.core.warehouse_of(first_rows), ranges
 
     # the put protocol (DockCore: begin -> the client stores the bytes -> publish, or abort)
-    def allocate(self, n: int) -> tuple[np.ndarray, int]:
-        """Rows for a put of n new rows and the put's id (pass it to mark_ready, or end_put on failure)."""
+    def allocate(self, n: int) -> tuple[np.ndarray, int, int]:
+        """Rows for a put of n new rows, the put's id (pass it to mark_ready, or end_put on failure) and
+        its iteration (the warehouses refuse its bytes once reset)."""
         return self.core.begin_put_new(n)
 
-    def check_put(self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0) -> int:
+    def check_put(
+        self, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> tuple[int, int]:
         """Before a put into rows: current iteration, allocated, still held by the claim if any. Returns
-        the put's id (pass it to mark_ready, or end_put on failure)."""
+        the put's id (pass it to mark_ready, or end_put on failure) and its iteration."""
         return self.core.begin_put(rows, epoch, stage, claim_id)
 
     def mark_ready(
@@ -345,8 +348,13 @@ class WarehouseActor:
         self.wh.put(inputs, rows)
         return len(rows)
 
-    def erase(self, columns: list[int], rows: np.ndarray) -> None:
-        self.wh.erase(columns, rows)
+    def erase(self, columns: list[int], rows: np.ndarray, epoch: int = -1) -> None:
+        """Undoes the committed rows of a put that failed elsewhere; nothing when the warehouse has moved
+        past the put's iteration (a reset forgot them, and the rows may be another put's now)."""
+        with self.lock:
+            if epoch >= 0 and epoch != self.epoch:
+                return
+            self.wh.erase(columns, rows)
 
     def fetch(self, specs: list[tuple], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
         """Packed copies of the rows for each (column id, storage dtype, inner shape, ragged)."""

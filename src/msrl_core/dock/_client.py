@@ -244,12 +244,17 @@ class RayBackend:
             raise Unavailable(f"{key}: no same-node connection")
         return self._rpc(conn, op, args, 0.0)
 
-    def _shared(self) -> bool:
-        """True when every warehouse shares its arenas with this process (same node, Linux)."""
+    def _near(self, w: int) -> bool:
+        """True when warehouse w shares its arenas with this process (same node, Linux): its data moves
+        through the mapped arenas; a far warehouse's through Ray calls and the object store."""
         if not self.fast_path:
             return False
-        node = self._node_id()
-        return all(path and n == node for n, path in self.wh_endpoints)
+        node, path = self.wh_endpoints[w]
+        return bool(path) and node == self._node_id()
+
+    def _shared(self) -> bool:
+        """True when every warehouse is near (see _near)."""
+        return all(self._near(w) for w in range(self.num_warehouses))
 
     def _arenas(self, w: int) -> list[np.ndarray]:
         maps = self._arena_maps.get(w)
@@ -291,11 +296,12 @@ class RayBackend:
             if bounds[w + 1] > bounds[w]
         ]
 
-    def _put_shared(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
-        """Same-node put: reserve in every warehouse, copy into the shared arenas, commit, publish."""
-        parts = self._split(rows)
-        # Source byte offsets of every row, per column.
-        src = []
+    def _reserve_near(
+        self, inputs: list[tuple], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
+    ) -> list[tuple[int, int]]:
+        """Reserves the rows of near warehouses and copies the values into their shared arenas; returns
+        the reservations to commit (on error, those made are aborted)."""
+        src = []  # source byte offsets of every row, per column
         for cid, vals, lengths in inputs:
             col = self._col_list[cid]
             flat = vals.reshape(-1).view(np.uint8)
@@ -316,35 +322,67 @@ class RayBackend:
                 for (cid, _, _), (flat, offs), (dst_offs, nbytes) in zip(inputs, src, dst):
                     _core.dock_copy_rows(arenas[cid], dst_offs, flat, offs[pos], nbytes)
         except BaseException:
-            for w, rid in reserved:
-                with contextlib.suppress(MsrlError):
-                    self._wh(w, "abort", rid)
+            self._abort_near(reserved)
             raise
-        for w, rid in reserved:
-            self._wh(w, "commit", rid)
+        return reserved
 
-    def _fetch_shared(
-        self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int, layout: str = "packed"
-    ) -> list[tuple]:
-        """Same-node fetch: locate rows in every warehouse, copy out of the shared arenas in caller order."""
+    def _abort_near(self, reserved: list[tuple[int, int]]) -> None:
+        for w, rid in reserved:
+            with contextlib.suppress(MsrlError):
+                self._wh(w, "abort", rid)
+
+    def _store(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
+        """Stores a put's bytes, all or nothing: near warehouses get reserve -> copy into the shared
+        arena -> commit, far ones a Ray call each (in parallel); a failure anywhere undoes the rest."""
         parts = self._split(rows)
-        cids = [cid for cid, _ in cols]
-        leases: list[tuple[int, int]] = []
+        near = [(w, pos) for w, pos in parts if self._near(w)]
+        far = [(w, pos) for w, pos in parts if not self._near(w)]
+        reserved = self._reserve_near(inputs, rows, near, epoch)
         try:
-            located = []
+            self._put_far(inputs, rows, far, epoch)  # all or nothing among the far warehouses
+        except BaseException:
+            self._abort_near(reserved)
+            raise
+        done: list[tuple[int, np.ndarray]] = []
+        try:
+            for (w, rid), (_, pos) in zip(reserved, near):
+                self._wh(w, "commit", rid)
+                done.append((w, pos))
+        except BaseException:
+            self._abort_near(reserved[len(done) + 1 :])
+            self._erase(inputs, rows, done + far, epoch)  # e.g. a warehouse died mid-commit
+            raise
+
+    def _erase(
+        self, inputs: list[tuple], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
+    ) -> None:
+        """Best effort: forgets the committed rows of a put (of iteration `epoch`) that failed elsewhere."""
+        cids = [cid for cid, _, _ in inputs]
+        for w, pos in parts:
+            with contextlib.suppress(MsrlError):
+                self._get(self.warehouses[w].erase.remote(cids, rows[pos], epoch), f"warehouse {w}")
+
+    def _locate_near(
+        self, cids: list[int], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
+    ) -> tuple[list[tuple[int, int]], list[list[tuple]]]:
+        """Leases and locations (byte offsets, item counts per column) of rows in near warehouses; on
+        error the leases taken are ended."""
+        leases: list[tuple[int, int]] = []
+        located: list[list[tuple]] = []
+        try:
             for w, pos in parts:
                 lid, locs = self._wh(w, "locate", cids, rows[pos], epoch)
                 leases.append((w, lid))
                 located.append(locs)
-            out = []
-            for k, (cid, col) in enumerate(cols):
-                pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(parts, located)]
-                out.append(_copy_out(col, len(rows), pieces, layout == "padded"))
-            return out
-        finally:
-            for w, lid in leases:
-                with contextlib.suppress(MsrlError):
-                    self._wh(w, "unlease", lid)
+        except BaseException:
+            self._unlease(leases)
+            raise
+        return leases, located
+
+    def _unlease(self, leases: list[tuple[int, int]]) -> None:
+        for w, lid in leases:
+            with contextlib.suppress(MsrlError):
+                self._wh(w, "unlease", lid)
 
     def fetch_views(self, cols: list[tuple[int, Column]], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
         """Packed (values, lengths or None, is_view) per column. Same node, rows in one warehouse: a
@@ -352,7 +390,7 @@ class RayBackend:
         (no copy), pinned in the warehouse until its last array goes (reset() refuses meanwhile); other
         columns are copied out of the arena. Otherwise (rows in several warehouses, other nodes): copies."""
         wh = self.warehouse_of(rows)
-        if not len(rows) or not self._shared() or (wh != wh[0]).any():
+        if not len(rows) or (wh != wh[0]).any() or not self._near(int(wh[0])):
             return [(a, lens, False) for a, lens in self.fetch_many(cols, rows, "packed", epoch)]
         w = int(wh[0])
         arenas = self._arenas(w)
@@ -395,22 +433,22 @@ class RayBackend:
         inputs: list[tuple],
         rows: np.ndarray,
         put_id: int,
-        epoch: int = -1,
+        epoch: int,
         stage: int = -1,
         claim_id: int = 0,
     ) -> None:
-        """Stores and publishes a put the controller registered as put_id (a reset waits for it)."""
-        if self._shared():
-            self._put_shared(inputs, rows, epoch)
-        else:
-            self._put_actor_calls(inputs, rows, epoch)
+        """Stores and publishes a put the controller registered as put_id in iteration `epoch` (a reset
+        waits for it; a forced one abandons it, and the warehouses then refuse its bytes)."""
+        self._store(inputs, rows, epoch)
         # Lengths travel only for the column a stage balances its claims by.
         marks = [(cid, lengths if cid == self.length_column else None) for cid, _, lengths in inputs]
         self._ctl("mark_ready", marks, rows, stage, claim_id, put_id)
 
-    def _put_actor_calls(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
-        parts = self._split(rows)
-        refs, used = [], []
+    def _put_far(
+        self, inputs: list[tuple], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
+    ) -> None:
+        """One Ray call per far warehouse with its slice of the values, in parallel; all or nothing."""
+        refs = []
         for w, pos in parts:
             sub = []
             for cid, vals, lengths in inputs:
@@ -425,25 +463,22 @@ class RayBackend:
                         piece = np.concatenate([vals[offs[p] : offs[p + 1]] for p in pos])
                     sub.append((cid, piece, lengths[pos]))
             refs.append(self.warehouses[w].put.remote(sub, rows[pos], epoch))
-            used.append((w, pos))
         errors: list[BaseException] = []
         ok: list[tuple[int, np.ndarray]] = []
-        for (w, pos), ref in zip(used, refs):
+        for (w, pos), ref in zip(parts, refs):
             try:
                 self._get(ref, f"warehouse {w}")
                 ok.append((w, pos))
             except BaseException as e:
                 errors.append(e)
         if errors:  # all-or-nothing: undo the warehouses that stored their part
-            cids = [cid for cid, _, _ in inputs]
-            for w, pos in ok:
-                self._get(self.warehouses[w].erase.remote(cids, rows[pos]), f"warehouse {w}")
+            self._erase(inputs, rows, ok, epoch)
             raise errors[0]
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
-        rows, put_id = self._ctl("allocate", n)
+        rows, put_id, epoch = self._ctl("allocate", n)
         try:
-            self._put_rows(inputs, rows, put_id)
+            self._put_rows(inputs, rows, put_id, epoch)
         except BaseException:
             with contextlib.suppress(MsrlError):  # e.g. the controller died: nothing to give back
                 self._ctl("end_put", put_id)  # its rows go back
@@ -453,9 +488,9 @@ class RayBackend:
     def put(
         self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
     ) -> None:
-        put_id = self._ctl("check_put", rows, epoch, stage, claim_id)
+        put_id, put_epoch = self._ctl("check_put", rows, epoch, stage, claim_id)
         try:
-            self._put_rows(inputs, rows, put_id, epoch, stage, claim_id)
+            self._put_rows(inputs, rows, put_id, put_epoch, stage, claim_id)
         except BaseException:
             with contextlib.suppress(MsrlError):
                 self._ctl("end_put", put_id)
@@ -479,27 +514,31 @@ class RayBackend:
     def fetch_many(
         self, cols: list[tuple[int, Column]], rows: np.ndarray, layout: str, epoch: int = -1
     ) -> list[tuple]:
-        """One request per involved warehouse for all columns; answers are gathered in row order (and
-        padded) by the native copy engine, as the same-node path copies out of the arenas."""
-        if self._shared():
-            return self._fetch_shared(cols, rows, epoch, layout)  # padded straight out of the arenas
+        """All columns of the rows: near warehouses are located (under a lease) and copied straight out of
+        their shared arenas, far ones answer one Ray call each (in parallel); every piece lands in the
+        caller's row order (padded) through the native copy engine."""
         parts = self._split(rows)
+        near = [(w, pos) for w, pos in parts if self._near(w)]
+        far = [(w, pos) for w, pos in parts if not self._near(w)]
         specs = [(cid, col.storage_dtype.str, col.shape, col.ragged) for cid, col in cols]
-        refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in parts]
-        got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(parts, refs)]
-        results: list[tuple] = []
-        for k, (_, col) in enumerate(cols):
-            if len(got) == 1 and not (col.ragged and layout == "padded"):  # one warehouse's answer as is
-                results.append(got[0][k])
-                continue
-            # Several warehouses (their answers in the caller's row order) or padding: one native copy.
-            pieces = []
-            for (_, pos), g in zip(parts, got):
-                arr, lens = g[k]
-                lens = np.ones(len(pos), np.int64) if lens is None else lens
-                pieces.append((pos, arr.reshape(-1).view(np.uint8), _packed_offsets(col, lens)))
-            results.append(_copy_out(col, len(rows), pieces, layout == "padded"))
-        return results
+        refs = [self.warehouses[w].fetch.remote(specs, rows[pos], epoch) for w, pos in far]
+        leases, located = self._locate_near([cid for cid, _ in cols], rows, near, epoch)
+        try:
+            got = [self._get(r, f"warehouse {w}") for (w, _), r in zip(far, refs)]
+            results: list[tuple] = []
+            for k, (cid, col) in enumerate(cols):
+                if not near and len(got) == 1 and not (col.ragged and layout == "padded"):
+                    results.append(got[0][k])  # one far warehouse's answer as is
+                    continue
+                pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(near, located)]
+                for (_, pos), g in zip(far, got):
+                    arr, lens = g[k]
+                    lens = np.ones(len(pos), np.int64) if lens is None else lens
+                    pieces.append((pos, arr.reshape(-1).view(np.uint8), _packed_offsets(col, lens)))
+                results.append(_copy_out(col, len(rows), pieces, layout == "padded"))
+            return results
+        finally:
+            self._unlease(leases)
 
     def progress(self, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress", stage), "controller")
