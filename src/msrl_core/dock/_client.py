@@ -188,6 +188,7 @@ class RayBackend:
             self.warehouses.append(
                 wh_cls.options(**opts).remote(w, first, rows, column_tuples(columns, rows))
             )
+        self._get(self.controller.call.remote("attach_warehouses", self.warehouses), "controller")
         self.endpoint = self._get(self.controller.endpoint.remote(), "controller")
         self.wh_endpoints = [
             self._get(h.endpoint.remote(), f"warehouse {w}") for w, h in enumerate(self.warehouses)
@@ -568,7 +569,7 @@ class RayBackend:
         # One controller call, atomic against puts (ControllerState.reset: DockCore's reset in steps); views
         # dropped here unpin first.
         self._unpinner.flush()
-        ref = self.controller.call.remote("reset", keep_unfinished, force, self.warehouses, self.op_timeout)
+        ref = self.controller.call.remote("reset", keep_unfinished, force, self.op_timeout)
         return self._get(ref, "controller", 3 * self.op_timeout)  # it waits on the warehouses twice
 
     def close(self) -> None:
