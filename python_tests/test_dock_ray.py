@@ -611,6 +611,10 @@ def test_lengths_that_do_not_match_the_rows_are_refused_by_the_actors():
         be._wh(w_new, "reserve", [(1, np.ones(1, np.int64))], new_rows, -1)
     with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
         be._ctl("mark_ready", [(1, np.ones(1, np.int64))], new_rows, -1, 0, put_id)
+    with pytest.raises(OutOfMemory, match="more than its arena holds"):  # 2**61 * 8 bytes wraps to 0
+        be._wh(w_new, "reserve", [(1, np.array([2**61, 0, 0, 0], np.int64))], new_rows, -1)
+    with pytest.raises(InvalidArgument, match="not one this put began with"):
+        be._ctl("mark_ready", [(0, None)], rows, -1, 0, put_id)  # rows of another put
     be._ctl("end_put", put_id)  # the allocated rows go back
     with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):
         ray.get(be.warehouses[w].put.remote([(1, np.arange(3), np.ones(1, np.int64))], rows, -1))
@@ -619,4 +623,67 @@ def test_lengths_that_do_not_match_the_rows_are_refused_by_the_actors():
     claim = dock.claim("gen", max_rows=4, timeout=10)
     got = dock.fetch(claim, ["prompts"])["prompts"]
     assert list(got.lengths) == [3] * 4 and list(np.asarray(got.values)) == [0, 1, 2] * 4
+    dock.shutdown()
+
+
+def _inject(be, name: str, op: str, when: str):
+    """Makes be.<name>(op, ...) fail once with Timeout, before sending the call or after its answer."""
+    real = getattr(be, name)
+    state = {"armed": True}
+
+    def call(*args, **kw):
+        hit = state["armed"] and op in args[:2]
+        if hit:
+            state["armed"] = False
+            if when == "before":
+                raise Timeout(f"injected: {op} did not answer")
+        out = real(*args, **kw)
+        if hit:
+            raise Timeout(f"injected: the answer to {op} was lost")
+        return out
+
+    setattr(be, name, call)
+    return lambda: setattr(be, name, real)
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["socket", "actor-calls"])
+def test_a_publish_whose_answer_is_lost_is_settled_with_the_controller(fast_path):
+    # Before: the put's rows went back to the allocator while the warehouses kept its bytes, so every
+    # later put got the same rows and failed with "already written" until a reset.
+    dock = make_dock(fast_path=fast_path)
+    be = dock._backend
+    undo = _inject(be, "_ctl", "mark_ready", "before")  # never published
+    with pytest.raises(Timeout):
+        dock.put({"prompts": [np.arange(3)] * 4})
+    undo()
+    assert dock.progress()["gen"]["ready_rows"] == 0
+    for k in range(3):  # later puts get other rows and succeed
+        rows = dock.put({"prompts": [np.arange(2) + k] * 4})
+        got = dock.fetch(rows, ["prompts"])["prompts"]
+        assert list(np.asarray(got.values)) == [k, k + 1] * 4
+    assert dock.stats()["allocated_rows"] == 16  # the unpublished put's rows stay until the reset
+    undo = _inject(be, "_ctl", "mark_ready", "after")  # published; only the answer was lost
+    rows = dock.put({"prompts": [np.arange(5)] * 4})  # the put succeeded: no error
+    undo()
+    assert len(rows) == 4 and dock.progress()["gen"]["ready_rows"] == 16
+    dock.reset()
+    assert dock.stats()["allocated_rows"] == 0
+    rows = dock.put({"prompts": [np.arange(3)] * 64})  # the whole dock is usable again
+    assert len(rows) == 64
+    dock.shutdown()
+
+
+def test_a_commit_that_fails_part_way_leaves_nothing_in_flight():
+    # Before: the failed commit's own reservation was neither aborted nor erased, so every reset()
+    # refused with "1 put(s) are in flight" and the rows stayed "being written".
+    dock = make_dock()
+    be = dock._backend
+    undo = _inject(be, "_wh", "commit", "before")
+    with pytest.raises(Timeout):
+        dock.put({"prompts": [np.arange(3)] * 8})  # two groups, two warehouses
+    undo()
+    dock.reset()  # not refused
+    rows = dock.put({"prompts": [np.arange(3)] * 64})
+    got = dock.fetch(rows, ["prompts"])["prompts"]
+    assert list(got.lengths) == [3] * 64
     dock.shutdown()

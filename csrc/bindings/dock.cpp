@@ -224,12 +224,15 @@ void bind_dock(py::module_& m) {
               }
               marks.push_back(m);
             }
+            py::gil_scoped_release release;  // waits for the controllers' locks (and a reset in progress)
             d.publish(put, marks, rows.data(), static_cast<size_t>(rows.size()), stage, claim_id);
           },
           py::arg("put"), py::arg("columns"), py::arg("rows"), py::arg("stage") = -1, py::arg("claim_id") = 0,
           "Publishes a put: columns are (column id, lengths or None); ends the put.")
-      .def("abort_put", &dock::DockCore::abort_put, py::arg("put"),
-           "Ends a put that stored nothing; the rows begin_put_new allocated for it go back to the allocator.")
+      .def("abort_put", &dock::DockCore::abort_put, py::arg("put"), py::arg("give_rows_back") = true,
+           py::call_guard<py::gil_scoped_release>(),
+           "Ends a put; True when it was in flight (nothing of it published, and now nothing will be). "
+           "give_rows_back: rows begin_put_new allocated for it go back (else they stay until the next reset).")
       .def_property_readonly("puts_in_flight", &dock::DockCore::puts_in_flight)
       .def("begin_reset", &dock::DockCore::begin_reset, py::arg("force") = false)
       .def(

@@ -129,7 +129,7 @@ void DockCore::need_bytes(const char* op) const {
              " needs the bytes, and this dock holds metadata only (its warehouses are elsewhere)");
 }
 
-std::vector<int64_t> DockCore::allocate(int64_t n) {
+std::vector<int64_t> DockCore::allocate(int64_t n, uint64_t* alloc_epoch) {
   const int64_t G = config_.group_size;
   MSRL_CHECK(n > 0 && n % G == 0, kInvalidArgument, "a put of new rows must hold whole groups of ", G, " rows, got ", n,
              " rows");
@@ -151,12 +151,14 @@ std::vector<int64_t> DockCore::allocate(int64_t n) {
     group_allocated_[g] = 1;
     for (int64_t r = g * G; r < (g + 1) * G; ++r) rows.push_back(r);
   }
+  *alloc_epoch = epoch_.load();  // moves only in reset_state, under alloc_mu_
   allocated_groups_ += static_cast<int64_t>(want);
   return rows;
 }
 
-void DockCore::free_groups(const std::vector<int64_t>& groups) noexcept {
+void DockCore::free_groups(const std::vector<int64_t>& groups, uint64_t epoch) noexcept {
   std::lock_guard<std::mutex> lock(alloc_mu_);
+  if (epoch_.load() != epoch) return;  // a reset freed them (and they may be another put's now)
   for (int64_t g : groups) {
     group_allocated_[g] = 0;
     returned_.push_back(g);
@@ -230,28 +232,44 @@ uint64_t DockCore::register_put(uint64_t* put_epoch) {
                " s for a reset() in flight; nothing stored");
   }
   const uint64_t id = ++next_put_;
-  puts_.emplace(id, std::vector<int64_t>{});
+  puts_.emplace(id, PutEntry{});
   // The epoch moves only inside a reset (resetting_, under this lock): the put's iteration is this one.
   if (put_epoch != nullptr) *put_epoch = epoch_.load();
   return id;
 }
 
+std::vector<int64_t> DockCore::groups_of(const int64_t* rows, size_t n) const {
+  std::vector<int64_t> groups(n);
+  for (size_t i = 0; i < n; ++i) groups[i] = rows[i] / config_.group_size;
+  std::sort(groups.begin(), groups.end());
+  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+  return groups;
+}
+
 uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows, uint64_t* put_epoch) {
   const uint64_t id = register_put(put_epoch);
+  uint64_t alloc_epoch = 0;
   try {
-    *rows = allocate(n);
+    *rows = allocate(n, &alloc_epoch);
   } catch (...) {
     abort_put(id);
     throw;
   }
-  std::vector<int64_t> groups;
-  for (size_t i = 0; i < rows->size(); i += static_cast<size_t>(config_.group_size)) {
-    groups.push_back((*rows)[i] / config_.group_size);
+  std::vector<int64_t> groups = groups_of(rows->data(), rows->size());
+  {
+    std::lock_guard<std::mutex> lock(gate_mu_);
+    auto it = puts_.find(id);
+    if (it != puts_.end()) {
+      it->second = PutEntry{std::move(groups), true, alloc_epoch};
+      return id;
+    }
   }
-  std::lock_guard<std::mutex> lock(gate_mu_);
-  auto it = puts_.find(id);
-  if (it != puts_.end()) it->second = std::move(groups);  // else abandoned by reset(force), which freed them
-  return id;
+  // reset(force) abandoned the put between its registration and its allocation: the rows may be of the
+  // next iteration, and nobody else would free them.
+  free_groups(groups, alloc_epoch);
+  rows->clear();
+  MSRL_THROW(kInvalidArgument,
+             "this put was abandoned by reset(force=True) as it began; nothing was stored (put again)");
 }
 
 uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int stage, uint64_t claim_id,
@@ -259,6 +277,7 @@ uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int s
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
+  std::vector<int64_t> groups = groups_of(rows, n);
   const uint64_t id = register_put(put_epoch);  // registered: no reset can start until the put ends
   try {
     check_epoch(epoch);
@@ -268,6 +287,9 @@ uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int s
     abort_put(id);
     throw;
   }
+  std::lock_guard<std::mutex> lock(gate_mu_);
+  auto it = puts_.find(id);
+  if (it != puts_.end()) it->second.groups = std::move(groups);  // else abandoned: publish refuses
   return id;
 }
 
@@ -275,13 +297,21 @@ void DockCore::publish(uint64_t put, const std::vector<ColumnMark>& columns, con
                        uint64_t claim_id) {
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
+  // Shared ops lock through the publication: reset_metadata (exclusive) runs wholly before or after it,
+  // even a forced reset that abandons the put meanwhile.
+  std::shared_lock<std::shared_mutex> ops(ops_mu_);
   {
     std::lock_guard<std::mutex> lock(gate_mu_);
-    MSRL_CHECK(puts_.count(put) != 0, kInvalidArgument,
+    auto it = puts_.find(put);
+    MSRL_CHECK(it != puts_.end(), kInvalidArgument,
                "this put was abandoned by reset(force=True) before it was published (or was never begun); nothing "
                "was published (put again)");
+    const std::vector<int64_t>& groups = it->second.groups;
+    for (size_t i = 0; i < n; ++i) {
+      MSRL_CHECK(std::binary_search(groups.begin(), groups.end(), rows[i] / config_.group_size), kInvalidArgument,
+                 "publish: row ", rows[i], " is not one this put began with; nothing was published");
+    }
   }
-  // Still registered: no reset can start before abort_put below ends the put.
   try {
     publish_locked(columns, rows, n, stage, claim_id);
   } catch (...) {
@@ -312,16 +342,17 @@ void DockCore::publish_locked(const std::vector<ColumnMark>& columns, const int6
   for (const auto& c : controllers_) c->complete_by_put(ids, rows, n);
 }
 
-void DockCore::abort_put(uint64_t put) noexcept {
-  std::vector<int64_t> groups;
+bool DockCore::abort_put(uint64_t put, bool give_rows_back) noexcept {
+  PutEntry entry;
   {
     std::lock_guard<std::mutex> lock(gate_mu_);
     auto it = puts_.find(put);
-    if (it == puts_.end()) return;  // ended, or abandoned by reset(force): that reset freed its rows
-    groups = std::move(it->second);
+    if (it == puts_.end()) return false;  // ended, or abandoned by reset(force): that reset freed its rows
+    entry = std::move(it->second);
     puts_.erase(it);
   }
-  if (!groups.empty()) free_groups(groups);
+  if (give_rows_back && entry.allocated && !entry.groups.empty()) free_groups(entry.groups, entry.alloc_epoch);
+  return true;
 }
 
 void DockCore::end_put(uint64_t put) noexcept {
@@ -358,7 +389,12 @@ int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::func
     std::vector<std::vector<int64_t>> lengths, src_offsets;  // [column k][row]
   };
   std::vector<Route> routes(S);
-  for (size_t i = 0; i < n; ++i) routes[route(rows[i])].rows.push_back(rows[i]);
+  std::vector<int> wh(n);
+  for (size_t i = 0; i < n; ++i) {
+    wh[i] = route(rows[i]);
+    MSRL_CHECK(wh[i] >= 0 && wh[i] < S, kInvalidArgument, "row ", rows[i], " routes to no warehouse");
+    routes[wh[i]].rows.push_back(rows[i]);
+  }
   for (Route& r : routes) {
     r.lengths.resize(inputs.size());
     r.src_offsets.resize(inputs.size());
@@ -381,7 +417,12 @@ int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::func
     for (size_t i = 0; i < n; ++i) {
       const int64_t len = spec.ragged ? in.lengths[i] : 1;
       MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': negative length ", len, " at row ", rows[i]);
-      Route& r = routes[route(rows[i])];
+      const int w = wh[i];
+      // Bounded by the arena before multiplying: a huge length must not wrap the byte count.
+      MSRL_CHECK(item == 0 || len <= warehouses[w]->arena_capacity(in.column) / item, kOutOfMemory, "column '",
+                 spec.name, "': row ", rows[i], " has ", len, " items, more than its arena holds (",
+                 warehouses[w]->arena_capacity(in.column), " bytes)");
+      Route& r = routes[w];
       r.lengths[k].push_back(len);
       r.src_offsets[k].push_back(off);
       off += len * item;
@@ -593,6 +634,8 @@ void DockCore::end_reset() noexcept {
 }
 
 std::vector<int64_t> DockCore::reset_metadata(bool keep_unfinished) {
+  MSRL_CHECK(!config_.store_bytes, kInvalidArgument,
+             "reset_metadata() is for a metadata-only dock; this one holds its warehouses: use reset()");
   {
     std::lock_guard<std::mutex> lock(gate_mu_);
     MSRL_CHECK(resetting_, kInvalidArgument, "reset_metadata() outside begin_reset() ... end_reset()");

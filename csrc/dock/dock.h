@@ -117,13 +117,15 @@ class DockCore {
   // 3. Publish: readiness of the columns for every stage reading them, then completion — of the putting
   //    claim (stage >= 0), or for plain row ids (stage -1) of every stage that holds the rows and reads
   //    none of the columns (Controller::complete_by_put) — and ends the put. Throws InvalidArgument with
-  //    nothing published when reset(force) abandoned the put.
+  //    nothing published when reset(force) abandoned the put or a row is not one the put began with. A
+  //    reset waits for a publish in progress (a put is wholly before or after it).
   void publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage = -1,
                uint64_t claim_id = 0);
-  //    Or abort (the bytes could not be stored): ends the put; the rows begin_put_new allocated for it go
-  //    back to the allocator, unless reset(force) abandoned the put (the reset freed them). Unknown ids
-  //    and ended puts are ignored. Never throws.
-  void abort_put(uint64_t put) noexcept;
+  //    Or abort: ends the put and returns true when it was in flight (nothing of it published, and now
+  //    nothing will be); false for an unknown id, an ended put or one reset(force) abandoned. With
+  //    give_rows_back the rows begin_put_new allocated for it go back to the allocator; without (its bytes
+  //    may be stored somewhere: the caller erases them) they stay allocated until the next reset.
+  bool abort_put(uint64_t put, bool give_rows_back = true) noexcept;
   int64_t puts_in_flight() const;
   static constexpr double kResetWaitS = 30.0;  // a put that begins during a reset waits this long
 
@@ -174,8 +176,8 @@ class DockCore {
   // force, puts in flight are abandoned instead (their publish throws; their abort frees nothing). Holds
   // new puts back (begin_put* wait) until end_reset().
   void begin_reset(bool force = false);
-  // Between begin_reset() and end_reset(): the next iteration of the controllers and the allocator, as
-  // reset(keep_unfinished) does it. Returns the kept rows (ascending).
+  // Between begin_reset() and end_reset(), on a metadata-only dock: the next iteration of the
+  // controllers and the allocator, as reset(keep_unfinished) does it. Returns the kept rows (ascending).
   std::vector<int64_t> reset_metadata(bool keep_unfinished);
   void end_reset() noexcept;
   void close();  // wakes blocked claims with Closed
@@ -183,15 +185,17 @@ class DockCore {
   OpStats put_stats, claim_stats, fetch_stats;
 
  private:
-  std::vector<int64_t> allocate(int64_t n);
-  uint64_t register_put(uint64_t* put_epoch);  // waits while a reset runs
-  void end_put(uint64_t put) noexcept;         // published: the put's rows stay
+  std::vector<int64_t> allocate(int64_t n, uint64_t* alloc_epoch);      // the iteration it allocated in
+  uint64_t register_put(uint64_t* put_epoch);                           // waits while a reset runs
+  std::vector<int64_t> groups_of(const int64_t* rows, size_t n) const;  // sorted, unique
+  void end_put(uint64_t put) noexcept;                                  // published: the put's rows stay
   void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
                       uint64_t claim_id);
   void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);
   std::vector<int64_t> reset_state(bool keep_unfinished);  // ops_mu_ held exclusively, resetting_ set
   void need_bytes(const char* op) const;
-  void free_groups(const std::vector<int64_t>& groups) noexcept;
+  // Gives groups allocated in iteration `epoch` back; nothing once a reset moved on (it freed them).
+  void free_groups(const std::vector<int64_t>& groups, uint64_t epoch) noexcept;
   void check_allocated(const int64_t* rows, size_t n) const;
   void check_epoch(int64_t epoch) const;
   std::atomic<uint64_t> epoch_{0};
@@ -216,9 +220,14 @@ class DockCore {
   // The ledger of puts in flight and the reset gate.
   mutable std::mutex gate_mu_;
   std::condition_variable gate_cv_;
-  // The puts between begin and publish/abort: id -> the groups begin_put_new allocated for it (none for
-  // a put into existing rows), freed by abort_put.
-  std::unordered_map<uint64_t, std::vector<int64_t>> puts_;
+  // The puts between begin and publish/abort: their groups (sorted; publish checks its rows against
+  // them) and whether begin_put_new allocated them (abort_put gives those back).
+  struct PutEntry {
+    std::vector<int64_t> groups;
+    bool allocated = false;
+    uint64_t alloc_epoch = 0;  // the iteration its groups were allocated in
+  };
+  std::unordered_map<uint64_t, PutEntry> puts_;
   uint64_t next_put_ = 0;
   bool resetting_ = false;
 };

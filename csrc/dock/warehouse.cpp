@@ -113,6 +113,9 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
       MSRL_CHECK(lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths are required");
       len = lengths[i];
       MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': row ", rows[i], " has negative length ", len);
+      // Bounded by the arena before multiplying: a huge length must not wrap the byte count.
+      MSRL_CHECK(item == 0 || len <= arena_capacity(column) / item, kOutOfMemory, "column '", spec.name, "': row ",
+                 rows[i], " has ", len, " items, more than its arena holds (", arena_capacity(column), " bytes)");
     }
     r.lengths[i] = len;
     r.nbytes[i] = len * item;

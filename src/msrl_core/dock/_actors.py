@@ -10,6 +10,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -137,10 +138,12 @@ class ControllerState:
         the stages that wrote the columns; ends the put."""
         self.core.publish(put_id, columns, rows, stage, claim_id)
 
-    def end_put(self, put_id: int) -> None:
-        """Ends a put that stored nothing: rows allocated for it go back (unless a forced reset freed
-        them). Ids of ended or abandoned puts are ignored."""
-        self.core.abort_put(put_id)
+    def end_put(self, put_id: int, give_rows_back: bool = True) -> tuple[bool, int]:
+        """Ends a put that was not published: (whether it was still in flight — then nothing of it is
+        published, and now nothing will be —, the current iteration). give_rows_back: rows allocated for
+        it go back (a put that stored nothing); else they stay allocated until the next reset (its bytes
+        may be stored). Ids of ended or abandoned puts are ignored."""
+        return self.core.abort_put(put_id, give_rows_back), int(self.core.epoch)
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
@@ -176,25 +179,31 @@ class ControllerState:
         warehouses with their kept rows (attach_warehouses; each answer within op_timeout). Returns the
         kept rows."""
         handles = self.warehouses
+        deadline = time.monotonic() + op_timeout  # one deadline for the whole reset
+
+        def left() -> float:
+            return max(0.001, deadline - time.monotonic())
+
         self.core.begin_reset(force)
         try:
             refs = [h.prepare_reset.remote(force) for h in handles]
             failed: BaseException | None = None
             for w, ref in enumerate(refs):  # every answer: all warehouses prepared, or none stays so
                 try:
-                    ray_get(ref, f"warehouse {w}", op_timeout)
+                    ray_get(ref, f"warehouse {w}", left())
                 except BaseException as e:  # noqa: BLE001 - the first is raised below
                     failed = failed or e
             if failed is not None:
-                for w, h in enumerate(handles):  # before answering: no put or fetch sees a freeze
+                refs = [h.cancel_reset.remote() for h in handles]  # no put or fetch keeps seeing a freeze
+                for w, ref in enumerate(refs):
                     with contextlib.suppress(MsrlError):
-                        ray_get(h.cancel_reset.remote(), f"warehouse {w}", op_timeout)
+                        ray_get(ref, f"warehouse {w}", left())
                 raise failed
             kept = self.core.reset_metadata(keep_unfinished)
             epoch = int(self.core.epoch)
             wh = self.core.warehouse_of(kept)
-            refs = [h.reset.remote(epoch, kept[wh == w]) for w, h in enumerate(handles)]
-            ray_get(refs, "warehouses", op_timeout)
+            refs = [h.reset.remote(epoch, kept[wh == w], left()) for w, h in enumerate(handles)]
+            ray_get(refs, "warehouses", left() + 1.0)
             return kept
         finally:
             self.core.end_reset()
@@ -252,6 +261,9 @@ class WarehouseActor:
         self.pending: dict[int, Any] = {}  # reservation id -> reservations of a client put
         self.leases: dict[int, int] = {}  # lease id -> epoch, fetches copying out of the arenas now
         self.pins: set[int] = set()  # lease ids of fetches whose zero-copy views are alive in a client
+        self.writing: set[int] = set()  # far puts (Ray calls) storing now
+        self.abandoned: set[int] = set()  # far puts a forced reset abandoned, still storing: reset waits
+        self.idle = threading.Condition(self.lock)  # notified when an abandoned far put ends
         self.frozen = False  # between prepare_reset and reset: new puts and fetches are refused
         self.next_id = 0
         self.fds: list[int] = []
@@ -349,8 +361,32 @@ class WarehouseActor:
     # -- Ray path (other nodes, or no shared memory) --
 
     def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> int:
-        self._check_epoch(epoch)
-        self.wh.put(inputs, rows)
+        """A far client's put: stored all or nothing, registered while it stores like a same-node
+        reservation (reset refuses meanwhile; reset(force) abandons it: then what it stored is erased and
+        it raises, so no byte of it reaches a later iteration)."""
+        with self.lock:
+            self._check_epoch(epoch)
+            self.next_id += 1
+            wid = self.next_id
+            self.writing.add(wid)
+        stored = False
+        try:
+            self.wh.put(inputs, rows)
+            stored = True
+        finally:
+            with self.lock:
+                self.writing.discard(wid)
+                abandoned = wid in self.abandoned
+                if abandoned:
+                    if stored:
+                        with contextlib.suppress(MsrlError):
+                            self.wh.erase([cid for cid, _, _ in inputs], rows)
+                    self.abandoned.discard(wid)
+                    self.idle.notify_all()
+        if abandoned:
+            raise InvalidArgument(
+                "this put was abandoned by reset(force=True); nothing was stored (put again)"
+            )
         return len(rows)
 
     def erase(self, columns: list[int], rows: np.ndarray, epoch: int = -1) -> None:
@@ -362,8 +398,26 @@ class WarehouseActor:
             self.wh.erase(columns, rows)
 
     def fetch(self, specs: list[tuple], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
-        """Packed copies of the rows for each (column id, storage dtype, inner shape, ragged)."""
-        self._check_epoch(epoch)
+        """Packed copies of the rows for each (column id, storage dtype, inner shape, ragged), under a
+        lease like a same-node fetch (reset refuses meanwhile; when reset(force) drops the lease, the
+        copies may be of moved bytes: it raises instead of answering)."""
+        with self.lock:
+            self._check_epoch(epoch)
+            self.next_id += 1
+            lid = self.next_id
+            self.leases[lid] = self.epoch
+        try:
+            out = self._gather(specs, rows)
+        finally:
+            with self.lock:
+                live = self.leases.pop(lid, None) is not None
+        if not live:
+            raise InvalidArgument(
+                "this fetch was abandoned by reset(force=True); nothing was read (fetch again)"
+            )
+        return out
+
+    def _gather(self, specs: list[tuple], rows: np.ndarray) -> list[tuple]:
         out: list[tuple] = []
         for cid, storage, inner, ragged in specs:
             dtype = np.dtype(storage)
@@ -395,6 +449,8 @@ class WarehouseActor:
                     self.wh.abort(res)
                 self.pending.clear()
                 self.leases.clear()
+                self.abandoned |= self.writing  # still storing: reset() waits for them to end
+                self.writing.clear()
                 self.pins.clear()  # views of a reader that died; live ones would see the next iteration
             self._check_idle()
             self.frozen = True
@@ -403,9 +459,15 @@ class WarehouseActor:
         with self.lock:
             self.frozen = False
 
-    def reset(self, epoch: int, keep_rows: np.ndarray | None = None) -> None:
-        """keep_rows (partial reset): rows of this warehouse that stay, their bytes compacted."""
+    def reset(self, epoch: int, keep_rows: np.ndarray | None = None, timeout: float = 60.0) -> None:
+        """keep_rows (partial reset): rows of this warehouse that stay, their bytes compacted. Waits (up to
+        timeout) for far puts a forced reset abandoned to end: they erase what they stored."""
         with self.lock:
+            if not self.idle.wait_for(lambda: not self.abandoned, timeout):
+                raise Timeout(
+                    f"warehouse {self.wid}: {len(self.abandoned)} abandoned put(s) still storing after "
+                    f"{timeout:g} s; nothing was reset"
+                )
             self.wh.reset(None if keep_rows is None or not len(keep_rows) else keep_rows)
             self.epoch = epoch
             self.frozen = False
@@ -416,8 +478,9 @@ class WarehouseActor:
                 f"reset() while zero-copy fetch views of {len(self.pins)} fetch(es) are alive (arrays "
                 "from fetch(copy=False) or take(copy=False)); drop them first; nothing was reset"
             )
-        if self.leases or self.pending:
+        if self.leases or self.pending or self.writing:
+            puts = len(self.pending) + len(self.writing)
             raise InvalidArgument(
-                f"reset() while {len(self.leases)} fetch(es) and {len(self.pending)} put(s) are in "
-                "flight; nothing was reset"
+                f"reset() while {len(self.leases)} fetch(es) and {puts} put(s) are in flight; nothing was "
+                "reset"
             )

@@ -350,8 +350,9 @@ class RayBackend:
                 self._wh(w, "commit", rid)
                 done.append((w, pos))
         except BaseException:
-            self._abort_near(reserved[len(done) + 1 :])
-            self._erase(inputs, rows, done + far, epoch)  # e.g. a warehouse died mid-commit
+            # The failed commit may or may not have landed: abort it (and the rest) and erase it too.
+            self._abort_near(reserved[len(done) :])
+            self._erase(inputs, rows, near[: len(done) + 1] + far, epoch)
             raise
 
     def _erase(
@@ -439,11 +440,37 @@ class RayBackend:
         claim_id: int = 0,
     ) -> None:
         """Stores and publishes a put the controller registered as put_id in iteration `epoch` (a reset
-        waits for it; a forced one abandons it, and the warehouses then refuse its bytes)."""
-        self._store(inputs, rows, epoch)
+        waits for it; a forced one abandons it, and the warehouses then refuse its bytes). On failure the
+        put is ended: when nothing was stored its new rows go back; when its bytes may be stored they are
+        erased and its rows stay allocated until the next reset (a later put must not find them written)."""
+        try:
+            self._store(inputs, rows, epoch)
+        except BaseException as e:  # all or nothing: stored nothing, unless an answer was lost (Timeout)
+            with contextlib.suppress(MsrlError):
+                self._ctl("end_put", put_id, not isinstance(e, Timeout))
+            raise
         # Lengths travel only for the column a stage balances its claims by.
         marks = [(cid, lengths if cid == self.length_column else None) for cid, _, lengths in inputs]
-        self._ctl("mark_ready", marks, rows, stage, claim_id, put_id)
+        try:
+            self._ctl("mark_ready", marks, rows, stage, claim_id, put_id)
+        except BaseException as e:
+            # An answered error: the controller ended the put (its rows stay until the next reset).
+            answered = isinstance(e, MsrlError) and not isinstance(e, (Timeout, Unavailable))
+            if answered or not self._settle(inputs, rows, put_id, epoch):
+                raise
+
+    def _settle(self, inputs: list[tuple], rows: np.ndarray, put_id: int, epoch: int) -> bool:
+        """After a publish whose answer was lost: True when it was published (the put succeeded). Else the
+        put is ended (a late publish is refused), what it stored is erased, and its rows stay allocated
+        until the next reset."""
+        try:
+            in_flight, now = self._ctl("end_put", put_id, False)
+        except MsrlError:
+            return False  # the controller does not answer either
+        if in_flight:
+            self._erase(inputs, rows, self._split(rows), epoch)
+            return False
+        return int(now) == epoch  # ended by its publish; a forced reset (abandoned) moved the iteration
 
     def _put_far(
         self, inputs: list[tuple], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
@@ -478,24 +505,14 @@ class RayBackend:
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         rows, put_id, epoch = self._ctl("allocate", n)
-        try:
-            self._put_rows(inputs, rows, put_id, epoch)
-        except BaseException:
-            with contextlib.suppress(MsrlError):  # e.g. the controller died: nothing to give back
-                self._ctl("end_put", put_id)  # its rows go back
-            raise
+        self._put_rows(inputs, rows, put_id, epoch)  # on failure it ends the put
         return rows
 
     def put(
         self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
     ) -> None:
         put_id, put_epoch = self._ctl("check_put", rows, epoch, stage, claim_id)
-        try:
-            self._put_rows(inputs, rows, put_id, put_epoch, stage, claim_id)
-        except BaseException:
-            with contextlib.suppress(MsrlError):
-                self._ctl("end_put", put_id)
-            raise
+        self._put_rows(inputs, rows, put_id, put_epoch, stage, claim_id)  # on failure it ends the put
 
     def claim(
         self, stage: int, max_rows: int, min_rows: int, timeout: float, max_items: int = 0
