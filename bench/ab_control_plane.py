@@ -31,6 +31,9 @@ if hasattr(ControllerState, "layout"):  # the DockCore-hosting ControllerState (
     def publish(rows: np.ndarray, put_id: int) -> None:
         st.mark_ready([(0, None)], rows, -1, 0, put_id)
 
+    def reset() -> None:
+        st.reset(False, False, 10.0)  # no warehouse actors attached
+
     tree = "dockcore"
 else:  # de7e8d5 and before: (stage, column ids) list, capacity, group, warehouses, length column
     st = ControllerState([("s", [0])], ROWS, 4, 1, -1)  # type: ignore[call-arg]
@@ -40,6 +43,9 @@ else:  # de7e8d5 and before: (stage, column ids) list, capacity, group, warehous
 
     def publish(rows: np.ndarray, put_id: int) -> None:
         st.mark_ready([0], rows, None, -1, 0, put_id)  # type: ignore[arg-type]
+
+    def reset() -> None:
+        st.reset(False, False, [], 10.0)  # type: ignore[call-arg]
 
     tree = "python-allocator"
 
@@ -54,7 +60,7 @@ for _ in range(FILLS):
         got = st.claim(0, CLAIM, CLAIM, 0.0)
         claims.append(time.perf_counter() - t)
         assert len(got[0]) == CLAIM
-    st.reset(False, False, [], 10.0)
+    reset()
 print(
     json.dumps(
         {

@@ -937,7 +937,8 @@ TEST(DockCore, AbortSaysWhetherThePutWasInFlightAndCanKeepItsRows) {
   EXPECT_EQ(d.allocated_rows(), 4);
   EXPECT_FALSE(d.abort_put(put));  // ended
   std::vector<int64_t> next;
-  d.publish(d.begin_put_new(2, &next), {{0, nullptr}}, next.data(), next.size());
+  const uint64_t next_put = d.begin_put_new(2, &next);
+  d.publish(next_put, {{0, nullptr}}, next.data(), next.size());
   EXPECT_EQ(std::find(rows.begin(), rows.end(), next[0]), rows.end());  // the kept rows are not reused
   d.begin_reset();
   (void)d.reset_metadata(false);

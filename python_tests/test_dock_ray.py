@@ -613,7 +613,7 @@ def test_lengths_that_do_not_match_the_rows_are_refused_by_the_actors():
         be._ctl("mark_ready", [(1, np.ones(1, np.int64))], new_rows, -1, 0, put_id)
     with pytest.raises(OutOfMemory, match="more than its arena holds"):  # 2**61 * 8 bytes wraps to 0
         be._wh(w_new, "reserve", [(1, np.array([2**61, 0, 0, 0], np.int64))], new_rows, -1)
-    with pytest.raises(InvalidArgument, match="not one this put began with"):
+    with pytest.raises(InvalidArgument, match="not those this put began with"):
         be._ctl("mark_ready", [(0, None)], rows, -1, 0, put_id)  # rows of another put
     be._ctl("end_put", put_id)  # the allocated rows go back
     with pytest.raises(InvalidArgument, match="1 lengths for 4 rows"):

@@ -238,11 +238,11 @@ uint64_t DockCore::register_put(uint64_t* put_epoch) {
   return id;
 }
 
-std::vector<int64_t> DockCore::groups_of(const int64_t* rows, size_t n) const {
-  std::vector<int64_t> groups(n);
-  for (size_t i = 0; i < n; ++i) groups[i] = rows[i] / config_.group_size;
-  std::sort(groups.begin(), groups.end());
-  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+std::vector<int64_t> DockCore::groups_of(const std::vector<int64_t>& new_rows) const {
+  std::vector<int64_t> groups;
+  for (size_t i = 0; i < new_rows.size(); i += static_cast<size_t>(config_.group_size)) {
+    groups.push_back(new_rows[i] / config_.group_size);
+  }
   return groups;
 }
 
@@ -255,18 +255,17 @@ uint64_t DockCore::begin_put_new(int64_t n, std::vector<int64_t>* rows, uint64_t
     abort_put(id);
     throw;
   }
-  std::vector<int64_t> groups = groups_of(rows->data(), rows->size());
   {
     std::lock_guard<std::mutex> lock(gate_mu_);
     auto it = puts_.find(id);
     if (it != puts_.end()) {
-      it->second = PutEntry{std::move(groups), true, alloc_epoch};
+      it->second = PutEntry{*rows, true, alloc_epoch};
       return id;
     }
   }
   // reset(force) abandoned the put between its registration and its allocation: the rows may be of the
   // next iteration, and nobody else would free them.
-  free_groups(groups, alloc_epoch);
+  free_groups(groups_of(*rows), alloc_epoch);
   rows->clear();
   MSRL_THROW(kInvalidArgument,
              "this put was abandoned by reset(force=True) as it began; nothing was stored (put again)");
@@ -277,7 +276,6 @@ uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int s
   MSRL_CHECK(stage >= -1 && stage < static_cast<int>(controllers_.size()), kNotFound, "stage id ", stage,
              " out of range");
   MSRL_CHECK(n > 0, kInvalidArgument, "put needs at least one row");
-  std::vector<int64_t> groups = groups_of(rows, n);
   const uint64_t id = register_put(put_epoch);  // registered: no reset can start until the put ends
   try {
     check_epoch(epoch);
@@ -289,7 +287,7 @@ uint64_t DockCore::begin_put(const int64_t* rows, size_t n, int64_t epoch, int s
   }
   std::lock_guard<std::mutex> lock(gate_mu_);
   auto it = puts_.find(id);
-  if (it != puts_.end()) it->second.groups = std::move(groups);  // else abandoned: publish refuses
+  if (it != puts_.end()) it->second.rows.assign(rows, rows + n);  // else abandoned: publish refuses
   return id;
 }
 
@@ -306,11 +304,9 @@ void DockCore::publish(uint64_t put, const std::vector<ColumnMark>& columns, con
     MSRL_CHECK(it != puts_.end(), kInvalidArgument,
                "this put was abandoned by reset(force=True) before it was published (or was never begun); nothing "
                "was published (put again)");
-    const std::vector<int64_t>& groups = it->second.groups;
-    for (size_t i = 0; i < n; ++i) {
-      MSRL_CHECK(std::binary_search(groups.begin(), groups.end(), rows[i] / config_.group_size), kInvalidArgument,
-                 "publish: row ", rows[i], " is not one this put began with; nothing was published");
-    }
+    const std::vector<int64_t>& began = it->second.rows;
+    MSRL_CHECK(began.size() == n && std::equal(began.begin(), began.end(), rows), kInvalidArgument,
+               "publish: the rows are not those this put began with; nothing was published");
   }
   try {
     publish_locked(columns, rows, n, stage, claim_id);
@@ -351,7 +347,7 @@ bool DockCore::abort_put(uint64_t put, bool give_rows_back) noexcept {
     entry = std::move(it->second);
     puts_.erase(it);
   }
-  if (give_rows_back && entry.allocated && !entry.groups.empty()) free_groups(entry.groups, entry.alloc_epoch);
+  if (give_rows_back && entry.allocated && !entry.rows.empty()) free_groups(groups_of(entry.rows), entry.alloc_epoch);
   return true;
 }
 

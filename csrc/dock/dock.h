@@ -117,7 +117,7 @@ class DockCore {
   // 3. Publish: readiness of the columns for every stage reading them, then completion — of the putting
   //    claim (stage >= 0), or for plain row ids (stage -1) of every stage that holds the rows and reads
   //    none of the columns (Controller::complete_by_put) — and ends the put. Throws InvalidArgument with
-  //    nothing published when reset(force) abandoned the put or a row is not one the put began with. A
+  //    nothing published when reset(force) abandoned the put or the rows are not those it began with. A
   //    reset waits for a publish in progress (a put is wholly before or after it).
   void publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage = -1,
                uint64_t claim_id = 0);
@@ -185,10 +185,10 @@ class DockCore {
   OpStats put_stats, claim_stats, fetch_stats;
 
  private:
-  std::vector<int64_t> allocate(int64_t n, uint64_t* alloc_epoch);      // the iteration it allocated in
-  uint64_t register_put(uint64_t* put_epoch);                           // waits while a reset runs
-  std::vector<int64_t> groups_of(const int64_t* rows, size_t n) const;  // sorted, unique
-  void end_put(uint64_t put) noexcept;                                  // published: the put's rows stay
+  std::vector<int64_t> allocate(int64_t n, uint64_t* alloc_epoch);             // the iteration it allocated in
+  uint64_t register_put(uint64_t* put_epoch);                                  // waits while a reset runs
+  std::vector<int64_t> groups_of(const std::vector<int64_t>& new_rows) const;  // rows of whole groups
+  void end_put(uint64_t put) noexcept;                                         // published: the put's rows stay
   void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
                       uint64_t claim_id);
   void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);
@@ -220,10 +220,10 @@ class DockCore {
   // The ledger of puts in flight and the reset gate.
   mutable std::mutex gate_mu_;
   std::condition_variable gate_cv_;
-  // The puts between begin and publish/abort: their groups (sorted; publish checks its rows against
-  // them) and whether begin_put_new allocated them (abort_put gives those back).
+  // The puts between begin and publish/abort: their rows (publish must name the same ones) and whether
+  // begin_put_new allocated them (abort_put gives those back).
   struct PutEntry {
-    std::vector<int64_t> groups;
+    std::vector<int64_t> rows;
     bool allocated = false;
     uint64_t alloc_epoch = 0;  // the iteration its groups were allocated in
   };
