@@ -337,6 +337,9 @@ class GRPOTrainer:
 
         def weights_back() -> None:
             t = time.perf_counter()
+            release = getattr(self.sampler, "release", None)  # vLLM: sleep, its memory goes to training
+            if release is not None:
+                release()
             self._weights_back()
             back_s[0] = time.perf_counter() - t
             gate.set()
