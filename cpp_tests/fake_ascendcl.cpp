@@ -1,6 +1,15 @@
 // A fake libascendcl for the tests: exports exactly the functions in MSRL_ACL_SYMBOLS and
 // MSRL_ACL_OPTIONAL_SYMBOLS (checked at compile time below), backed by host memory (fake_device.h), plus
-// the control functions of FAKE_DEFINE_CONTROLS with the prefix fake_ascendcl. Never installed.
+// the control functions of FAKE_DEFINE_CONTROLS with the prefix fake_ascendcl. What it models of AscendCL,
+// as the CANN reference documents it (aclrtMemcpyAsync; "Stream and Event Behavior"):
+// - a thread has no context until aclrtSetDevice: streams, events, device memory and copies need one
+//   (ACL_ERROR_RT_CONTEXT_NULL), and aclrtGetDevice fails without one;
+// - aclrtMemcpyAsync refuses ACL_MEMCPY_HOST_TO_HOST (ACL_ERROR_RT_FEATURE_NOT_SUPPORT) and addresses that are
+//   not 64-byte aligned; copies on a stream of another device than the current one fail, and so do records
+//   and stream waits between an event and a stream of different devices;
+// - host<->device copies of host memory that is neither from aclrtMallocHost nor registered are refused
+//   (the vendor: "does not report an error, but an unpredictable error may occur"; newer CANN: synchronous).
+// Created streams never synchronise with the default (null) stream. Never installed.
 #include <type_traits>
 
 #include "../csrc/runtime/acl_abi.h"
@@ -9,18 +18,23 @@
 using namespace msrl::aclabi;
 
 namespace {
-fake::Device g_dev;
+fake::Device g_dev(/*cuda=*/false);
 constexpr aclError kInvalidParam = ACL_ERROR_INVALID_PARAM;
 constexpr aclError kBadHandle = ACL_ERROR_RT_PARAM_INVALID;
-constexpr aclError kWouldBlock = ACL_ERROR_RT_INTERNAL_ERROR;  // a held stream: the call would never return
+constexpr aclError kWouldBlock = ACL_ERROR_RT_INTERNAL_ERROR;  // a hold nobody releases: would never return
 constexpr aclError kNotRegistered = ACL_ERROR_RT_PARAM_INVALID;
 }  // namespace
 
 FAKE_DEFINE_CONTROLS(fake_ascendcl, g_dev)
 
-#define ENTER(fn)                              \
-  std::lock_guard<std::mutex> lock_(g_dev.mu); \
+#define ENTER(fn)                               \
+  std::unique_lock<std::mutex> lock_(g_dev.mu); \
   if (int injected_ = g_dev.enter(#fn)) return injected_
+// The calls that need the calling thread to have a context (a device set on it).
+#define NEEDS_CONTEXT() \
+  if (!g_dev.has_context()) return ACL_ERROR_RT_CONTEXT_NULL
+
+static bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % msrl::aclabi::kAclCopyAlignment == 0; }
 
 extern "C" {
 
@@ -51,7 +65,17 @@ aclError aclrtGetDeviceCount(uint32_t* count) {
 
 aclError aclrtSetDevice(int32_t device) {
   ENTER(aclrtSetDevice);
-  return device >= 0 && device < g_dev.device_count ? ACL_SUCCESS : ACL_ERROR_RT_INVALID_DEVICEID;
+  if (device < 0 || device >= g_dev.device_count) return ACL_ERROR_RT_INVALID_DEVICEID;
+  g_dev.set_current_device(device);
+  return ACL_SUCCESS;
+}
+
+aclError aclrtGetDevice(int32_t* device) {
+  ENTER(aclrtGetDevice);
+  if (device == nullptr) return kInvalidParam;
+  NEEDS_CONTEXT();
+  *device = g_dev.current_device();
+  return ACL_SUCCESS;
 }
 
 aclError aclrtMallocHost(void** ptr, size_t size) {
@@ -69,6 +93,7 @@ aclError aclrtFreeHost(void* ptr) {
 aclError aclrtMalloc(void** ptr, size_t size, aclrtMemMallocPolicy) {
   ENTER(aclrtMalloc);
   if (ptr == nullptr || size == 0) return kInvalidParam;
+  NEEDS_CONTEXT();
   *ptr = g_dev.alloc_device(size);
   return *ptr != nullptr ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
 }
@@ -100,7 +125,8 @@ aclError aclrtHostUnregister(void* ptr) {
 aclError aclrtCreateStream(aclrtStream* stream) {
   ENTER(aclrtCreateStream);
   if (stream == nullptr) return kInvalidParam;
-  *stream = g_dev.new_stream();
+  NEEDS_CONTEXT();
+  *stream = g_dev.new_stream(/*blocking=*/false);
   return ACL_SUCCESS;
 }
 
@@ -114,16 +140,33 @@ aclError aclrtDestroyStream(aclrtStream stream) {
 aclError aclrtSynchronizeStream(aclrtStream stream) {
   ENTER(aclrtSynchronizeStream);
   if (!g_dev.valid_stream(stream)) return kBadHandle;
-  return g_dev.idle(stream) ? ACL_SUCCESS : kWouldBlock;
+  if (!g_dev.drained(lock_, stream)) return kWouldBlock;
+  g_dev.wait_idle(lock_, stream);
+  return ACL_SUCCESS;
 }
 
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event) {
   ENTER(aclrtStreamWaitEvent);
+  NEEDS_CONTEXT();
   fake::Event* ev = g_dev.event(event);
   if (!g_dev.valid_stream(stream) || ev == nullptr) return kBadHandle;
+  if (ev->device != g_dev.device_of_stream(stream)) return kBadHandle;  // unlike CUDA: not across devices
   g_dev.wait(stream, ev);
   return ACL_SUCCESS;
 }
+
+namespace {
+// The rules aclrtMemcpyAsync and aclrtMemcpy2dAsync share (see the top of this file).
+aclError check_copy(int kind, void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height,
+                    aclrtStream stream) {
+  if (kind == ACL_MEMCPY_HOST_TO_HOST) return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+  if (!aligned(dst) || !aligned(src)) return kInvalidParam;
+  if (g_dev.device_of_stream(stream) != g_dev.current_device()) return kBadHandle;
+  if (!g_dev.kind_matches(kind, dst, dpitch, src, spitch, width, height)) return kInvalidParam;
+  if (!g_dev.host_side_pinned(kind, dst, dpitch, src, spitch, width, height)) return kInvalidParam;
+  return ACL_SUCCESS;
+}
+}  // namespace
 
 aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream) {
@@ -131,7 +174,8 @@ aclError aclrtMemcpyAsync(void* dst, size_t destMax, const void* src, size_t cou
   if (dst == nullptr || src == nullptr || count == 0 || count > destMax || !g_dev.valid_stream(stream)) {
     return kInvalidParam;
   }
-  if (!g_dev.kind_matches(kind, dst, count, src, count, count, 1)) return kInvalidParam;
+  NEEDS_CONTEXT();
+  if (aclError err = check_copy(kind, dst, count, src, count, count, 1, stream)) return err;
   g_dev.copy2d(dst, count, src, count, count, 1, stream);
   return ACL_SUCCESS;
 }
@@ -145,7 +189,8 @@ aclError aclrtMemcpy2dAsync(void* dst, size_t dpitch, const void* src, size_t sp
       (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST)) {
     return kInvalidParam;
   }
-  if (!g_dev.kind_matches(kind, dst, dpitch, src, spitch, width, height)) return kInvalidParam;
+  NEEDS_CONTEXT();
+  if (aclError err = check_copy(kind, dst, dpitch, src, spitch, width, height, stream)) return err;
   g_dev.copy2d(dst, dpitch, src, spitch, width, height, stream);
   return ACL_SUCCESS;
 }
@@ -153,6 +198,7 @@ aclError aclrtMemcpy2dAsync(void* dst, size_t dpitch, const void* src, size_t sp
 aclError aclrtCreateEvent(aclrtEvent* event) {
   ENTER(aclrtCreateEvent);
   if (event == nullptr) return kInvalidParam;
+  NEEDS_CONTEXT();
   *event = g_dev.new_event(true);
   return ACL_SUCCESS;
 }
@@ -167,8 +213,10 @@ aclError aclrtDestroyEvent(aclrtEvent event) {
 
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream) {
   ENTER(aclrtRecordEvent);
+  NEEDS_CONTEXT();
   fake::Event* ev = g_dev.event(event);
   if (ev == nullptr || !g_dev.valid_stream(stream)) return kBadHandle;
+  if (ev->device != g_dev.device_of_stream(stream)) return kBadHandle;
   g_dev.record(ev, stream);
   return ACL_SUCCESS;
 }
@@ -187,7 +235,9 @@ aclError aclrtSynchronizeEvent(aclrtEvent event) {
   ENTER(aclrtSynchronizeEvent);
   fake::Event* ev = g_dev.event(event);
   if (ev == nullptr) return kBadHandle;
-  return g_dev.complete(ev) ? ACL_SUCCESS : kWouldBlock;
+  if (!g_dev.reached(lock_, ev)) return kWouldBlock;
+  g_dev.wait_event(lock_, ev);
+  return ACL_SUCCESS;
 }
 
 aclError aclrtEventElapsedTime(float* ms, aclrtEvent start, aclrtEvent end) {

@@ -109,7 +109,7 @@ class GatedRuntime : public DeviceRuntime {
   void set_device(int d) override { in_->set_device(d); }
   void* host_alloc_pinned(size_t n) override { return in_->host_alloc_pinned(n); }
   void host_free_pinned(void* p) override { in_->host_free_pinned(p); }
-  void host_register(void* p, size_t n) override { in_->host_register(p, n); }
+  void host_register(void* p, size_t n, bool ro) override { in_->host_register(p, n, ro); }
   void host_unregister(void* p) override { in_->host_unregister(p); }
   void* device_alloc(size_t n) override { return in_->device_alloc(n); }
   void device_free(void* p) override { in_->device_free(p); }
@@ -126,7 +126,7 @@ class GatedRuntime : public DeviceRuntime {
                       Stream st) override {
     in_->memcpy2d_async(d, dp, s, sp, w, h, k, st);
   }
-  Event event_create(bool t) override { return in_->event_create(t); }
+  Event event_create(unsigned f) override { return in_->event_create(f); }
   void event_destroy(Event e) override { in_->event_destroy(e); }
   void event_record(Event e, Stream s) override { in_->event_record(e, s); }
   bool event_query(Event e) override { return in_->event_query(e); }

@@ -83,9 +83,9 @@ TEST(HostRuntime, ElapsedTimeIsNonNegativeAndNeedsTimingEvents) {
 TEST(HostRuntime, RegisterRejectsOverlapAndUnknownPointers) {
   auto rt = make_host_runtime();
   std::vector<char> buf(8192);
-  rt->host_register(buf.data(), 4096);
-  EXPECT_THROW(rt->host_register(buf.data() + 100, 100), Error);
-  rt->host_register(buf.data() + 4096, 4096);  // adjacent is fine
+  rt->host_register(buf.data(), 4096, false);
+  EXPECT_THROW(rt->host_register(buf.data() + 100, 100, false), Error);
+  rt->host_register(buf.data() + 4096, 4096, false);  // adjacent is fine
   rt->host_unregister(buf.data());
   try {
     rt->host_unregister(buf.data());
@@ -94,7 +94,7 @@ TEST(HostRuntime, RegisterRejectsOverlapAndUnknownPointers) {
     EXPECT_EQ(e.code(), Code::kNotFound);
   }
   rt->host_unregister(buf.data() + 4096);
-  EXPECT_THROW(rt->host_register(nullptr, 10), Error);
+  EXPECT_THROW(rt->host_register(nullptr, 10, false), Error);
 }
 
 TEST(HostRuntime, ForeignStreamHandleIsRejected) {

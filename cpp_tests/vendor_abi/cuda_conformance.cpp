@@ -9,6 +9,8 @@
 // Plain g++, no nvcc: crt/host_defines.h then defines __host__ and friends as nothing.
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
+
 #include "abi_match.h"
 
 static_assert(CUDART_VERSION / 1000 == MSRL_EXPECT_CUDA_MAJOR, "the include path holds another CUDA major version");
@@ -21,6 +23,27 @@ MSRL_ABI_MAP(::cudaMemcpyKind, msrl::cudaabi::cudaMemcpyKind)
 static_assert(std::is_same_v<::cudaError_t, ::cudaError> && std::is_same_v<::cudaStream_t, ::CUstream_st*> &&
                   std::is_same_v<::cudaEvent_t, ::CUevent_st*>,
               "the vendor's handle and error typedefs are not what MSRL_ABI_MAP maps");
+
+// cudaPointerAttributes grew in CUDA 13 (a locality-domain union and reserved[7] after the four fields CUDA 12
+// has): ours has CUDA 13's size, and every field we read sits where both versions put it, so either runtime
+// writes inside our struct and we read what it wrote.
+using OurPointerAttributes = msrl::cudaabi::cudaPointerAttributes;
+static_assert(sizeof(OurPointerAttributes) >= sizeof(::cudaPointerAttributes) &&
+                  alignof(OurPointerAttributes) == alignof(::cudaPointerAttributes),
+              "our cudaPointerAttributes is smaller than the vendor's: the runtime would write past it");
+#if MSRL_EXPECT_CUDA_MAJOR >= 13
+static_assert(sizeof(OurPointerAttributes) == sizeof(::cudaPointerAttributes), "cudaPointerAttributes: CUDA 13 size");
+#endif
+static_assert(offsetof(OurPointerAttributes, type) == offsetof(::cudaPointerAttributes, type) &&
+                  offsetof(OurPointerAttributes, device) == offsetof(::cudaPointerAttributes, device) &&
+                  offsetof(OurPointerAttributes, devicePointer) == offsetof(::cudaPointerAttributes, devicePointer) &&
+                  offsetof(OurPointerAttributes, hostPointer) == offsetof(::cudaPointerAttributes, hostPointer),
+              "cudaPointerAttributes: a field we read is not where the vendor writes it");
+static_assert(sizeof(::cudaMemoryType) == sizeof(int), "cudaPointerAttributes::type is read as an int");
+template <>
+struct abi_match::Ours<::cudaPointerAttributes> {
+  using type = OurPointerAttributes;
+};
 
 // Every enumerator of our cudaMemcpyKind (CopyKind casts to it).
 MSRL_ABI_CHECK_ENUMERATOR(msrl::cudaabi, cudaMemcpyHostToHost)

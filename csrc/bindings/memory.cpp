@@ -92,13 +92,13 @@ void bind_memory(py::module_& m) {
           py::arg("nbytes"))
       .def(
           "register",
-          [](PinnedPool& pool, const py::int_& ptr, int64_t nbytes) {
+          [](PinnedPool& pool, const py::int_& ptr, int64_t nbytes, bool read_only) {
             void* p = checked_pointer(ptr, "ptr");
             uint64_t n = checked_size(nbytes, "nbytes");
             py::gil_scoped_release release;
-            return PyRegistration{pool.register_buffer(p, n)};
+            return PyRegistration{pool.register_buffer(p, n, read_only)};
           },
-          py::arg("ptr"), py::arg("nbytes"))
+          py::arg("ptr"), py::arg("nbytes"), py::arg("read_only") = false)
       .def("stats", [](const PinnedPool& pool) { return stats_dict(pool.stats()); })
       .def("trim",
            [](PinnedPool& pool) {

@@ -22,11 +22,19 @@ void bind_runtime(py::module_& m) {
       },
       "List of (name, available, detail) for host, cuda and acl.");
 
+  m.def(
+      "set_library_dirs",
+      [](const std::string& backend, std::vector<std::string> dirs) { set_library_dirs(backend, std::move(dirs)); },
+      py::arg("backend"), py::arg("dirs"), "Folders to search for the backend's vendor library after its sonames.");
+  m.def(
+      "library_dirs", [](const std::string& backend) { return library_dirs(backend); }, py::arg("backend"));
+
   py::class_<PyRuntime, std::shared_ptr<PyRuntime>>(m, "Runtime")
       .def_property_readonly("name", [](const PyRuntime& r) { return std::string(r.rt->name()); })
       .def_property_readonly("device_is_host", [](const PyRuntime& r) { return r.rt->device_is_host(); })
       .def_property_readonly("device_count", [](const PyRuntime& r) { return r.rt->device_count(); })
       .def("set_device", [](const PyRuntime& r, int device) { r.rt->set_device(device); })
+      .def_property_readonly("current_device", [](const PyRuntime& r) { return r.rt->current_device(); })
       .def("create_stream", [](const PyRuntime& r) { return std::make_shared<PyStream>(r.rt); })
       .def("device_alloc", [](const PyRuntime& r, int64_t nbytes) {
         MSRL_CHECK(nbytes > 0, kInvalidArgument, "nbytes must be > 0, got ", nbytes);

@@ -47,7 +47,17 @@ std::shared_ptr<PinnedPool> PinnedPool::create(std::shared_ptr<DeviceRuntime> ru
 
 PinnedPool::~PinnedPool() {
   std::lock_guard<std::mutex> lock(mu_);
-  free_cached_locked();
+  for (auto& [cls, data] : cache_) free_block(data);
+  cache_.clear();
+}
+
+void PinnedPool::free_block(void* data) noexcept {
+  try {
+    runtime_->host_free_pinned(data);
+  } catch (const std::exception&) {
+    // Called from destructors: the runtime may be gone (torch_npu finalises ACL in an atexit hook before
+    // module globals are collected). The memory goes back with the process.
+  }
 }
 
 size_t PinnedPool::size_class(size_t nbytes) {
@@ -107,52 +117,55 @@ std::shared_ptr<PinnedBlock> PinnedPool::allocate(size_t nbytes) {
   return std::shared_ptr<PinnedBlock>(new PinnedBlock(shared_from_this(), data, nbytes, cls));
 }
 
-void PinnedPool::release(void* data, size_t size, size_t cls) {
+void PinnedPool::release(void* data, size_t size, size_t cls) noexcept {
   untrack(data);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.in_use -= cls;
   stats_.requested -= size;
   if (closed_) {
     stats_.reserved -= cls;
-    runtime_->host_free_pinned(data);
+    free_block(data);
     return;
   }
   cache_.emplace(cls, data);
   stats_.cached += cls;
 }
 
-std::shared_ptr<HostRegistration> PinnedPool::register_buffer(void* ptr, size_t nbytes) {
+std::shared_ptr<HostRegistration> PinnedPool::register_buffer(void* ptr, size_t nbytes, bool read_only) {
   MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot register a null pointer");
   MSRL_CHECK(nbytes > 0, kInvalidArgument, "cannot register 0 bytes at ", ptr);
   {
     std::lock_guard<std::mutex> lock(mu_);
     MSRL_CHECK(!closed_, kClosed, "pinned pool is closed; cannot register ", nbytes, " bytes at ", ptr);
   }
-  runtime_->host_register(ptr, nbytes);
+  runtime_->host_register(ptr, nbytes, read_only);
   track(ptr, nbytes);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.registered += nbytes;
   return std::shared_ptr<HostRegistration>(new HostRegistration(shared_from_this(), ptr, nbytes));
 }
 
-void PinnedPool::unregister(void* data, size_t size) {
+void PinnedPool::unregister(void* data, size_t size) noexcept {
   untrack(data);
   try {
     runtime_->host_unregister(data);
-  } catch (const Error&) {
+  } catch (const std::exception&) {
     // A destructor must not throw; the range is no longer ours either way.
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.registered -= size;
 }
 
+// Each block leaves the cache (and the accounting) before its free, so a free that throws leaves no freed
+// block behind in the cache.
 void PinnedPool::free_cached_locked() {
-  for (auto& [cls, data] : cache_) {
-    runtime_->host_free_pinned(data);
+  while (!cache_.empty()) {
+    auto [cls, data] = *cache_.begin();
+    cache_.erase(cache_.begin());
+    stats_.cached -= cls;
     stats_.reserved -= cls;
+    runtime_->host_free_pinned(data);
   }
-  cache_.clear();
-  stats_.cached = 0;
 }
 
 void PinnedPool::trim() {

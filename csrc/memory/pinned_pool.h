@@ -68,6 +68,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
  public:
   // capacity: the most bytes the pool may reserve (0 = unlimited).
   static std::shared_ptr<PinnedPool> create(std::shared_ptr<DeviceRuntime> runtime, uint64_t capacity = 0);
+  // Frees the cached blocks. Never throws: a runtime that fails to free (one shut down at interpreter exit,
+  // before the pool's owner was collected) leaves the block to the process's end.
   ~PinnedPool();
 
   // Size class of a request: 4 KiB pages up to 64 KiB, powers of two up to 2 MiB, then multiples of
@@ -76,7 +78,8 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
   // Throws InvalidArgument for 0 bytes, OutOfMemory past capacity, Closed after close().
   std::shared_ptr<PinnedBlock> allocate(size_t nbytes);
-  std::shared_ptr<HostRegistration> register_buffer(void* ptr, size_t nbytes);
+  // `read_only`: the pages may be mapped read-only (see DeviceRuntime::host_register).
+  std::shared_ptr<HostRegistration> register_buffer(void* ptr, size_t nbytes, bool read_only = false);
   void trim();   // frees cached blocks
   void close();  // frees cached blocks; later allocate/register throw Closed; live blocks stay valid
   bool closed() const;
@@ -88,9 +91,10 @@ class PinnedPool : public std::enable_shared_from_this<PinnedPool> {
 
  private:
   PinnedPool(std::shared_ptr<DeviceRuntime> runtime, uint64_t capacity);
-  void release(void* data, size_t size, size_t capacity);
-  void unregister(void* data, size_t size);
+  void release(void* data, size_t size, size_t capacity) noexcept;
+  void unregister(void* data, size_t size) noexcept;
   void free_cached_locked();
+  void free_block(void* data) noexcept;  // host_free_pinned, errors swallowed (destructors only)
   friend class PinnedBlock;
   friend class HostRegistration;
 

@@ -40,21 +40,28 @@ enum aclrtEventRecordedStatus : int {
 // Every constant we use, as X(type, name, value). The vendor conformance test (cpp_tests/vendor_abi)
 // checks each value against Huawei's own headers, where several of these names are macros.
 // ACL_HOST_REG_*: aclrtHostRegisterV2 flags. ACL_ERROR_RT_PARAM_INVALID and _INTERNAL_ERROR: the fake's.
-#define MSRL_ACL_CONSTANTS(X)                         \
-  X(uint32_t, ACL_HOST_REG_MAPPED, 0x2u)              \
-  X(uint32_t, ACL_HOST_REG_PINNED, 0x10000000u)       \
-  X(aclError, ACL_SUCCESS, 0)                         \
-  X(aclError, ACL_ERROR_INVALID_PARAM, 100000)        \
-  X(aclError, ACL_ERROR_REPEAT_INITIALIZE, 100002)    \
-  X(aclError, ACL_ERROR_BAD_ALLOC, 200000)            \
-  X(aclError, ACL_ERROR_RT_PARAM_INVALID, 107000)     \
-  X(aclError, ACL_ERROR_RT_INVALID_DEVICEID, 107001)  \
-  X(aclError, ACL_ERROR_RT_MEMORY_ALLOCATION, 207001) \
+#define MSRL_ACL_CONSTANTS(X)                           \
+  X(uint32_t, ACL_HOST_REG_MAPPED, 0x2u)                \
+  X(uint32_t, ACL_HOST_REG_PINNED, 0x10000000u)         \
+  X(aclError, ACL_SUCCESS, 0)                           \
+  X(aclError, ACL_ERROR_INVALID_PARAM, 100000)          \
+  X(aclError, ACL_ERROR_UNINITIALIZE, 100001)           \
+  X(aclError, ACL_ERROR_REPEAT_INITIALIZE, 100002)      \
+  X(aclError, ACL_ERROR_BAD_ALLOC, 200000)              \
+  X(aclError, ACL_ERROR_RT_PARAM_INVALID, 107000)       \
+  X(aclError, ACL_ERROR_RT_INVALID_DEVICEID, 107001)    \
+  X(aclError, ACL_ERROR_RT_CONTEXT_NULL, 107002)        \
+  X(aclError, ACL_ERROR_RT_FEATURE_NOT_SUPPORT, 207000) \
+  X(aclError, ACL_ERROR_RT_MEMORY_ALLOCATION, 207001)   \
   X(aclError, ACL_ERROR_RT_INTERNAL_ERROR, 507000)
 
 #define MSRL_ACL_CONSTANT(type, name, value) constexpr type name = value;
 MSRL_ACL_CONSTANTS(MSRL_ACL_CONSTANT)
 #undef MSRL_ACL_CONSTANT
+
+// aclrtMemcpyAsync: "the source address and destination address must be 64-byte aligned" (CANN 8.0
+// reference, all models; newer headers say so for on-chip device-to-device copies only).
+constexpr size_t kAclCopyAlignment = 64;
 
 // aclrtMemcpy2dAsync limits (same page): width <= 5,000,000 bytes, height <= 5 * 1024 * 1024 rows.
 constexpr size_t kAclMemcpy2dMaxWidth = 5000000;
@@ -64,6 +71,7 @@ constexpr size_t kAclMemcpy2dMaxHeight = 5u * 1024 * 1024;
   X(aclInit, aclError, (const char* configPath))                                                                  \
   X(aclrtGetDeviceCount, aclError, (uint32_t * count))                                                            \
   X(aclrtSetDevice, aclError, (int32_t deviceId))                                                                 \
+  X(aclrtGetDevice, aclError, (int32_t * deviceId))                                                               \
   X(aclrtMallocHost, aclError, (void** hostPtr, size_t size))                                                     \
   X(aclrtFreeHost, aclError, (void* hostPtr))                                                                     \
   X(aclrtMalloc, aclError, (void** devPtr, size_t size, aclrtMemMallocPolicy policy))                             \

@@ -14,11 +14,24 @@
 // - Events come from aclrtCreateEvent, which supports timing, stream waits and host waits alike, so the
 //   `timing` flag needs no special event. Unlike CUDA, an event that was never recorded queries as not ready.
 // - Error text comes from aclGetRecentErrMsg (per thread, read-and-clear) when the library has it.
+// - aclrtMemcpyAsync does not copy within the host ("ACL_MEMCPY_HOST_TO_HOST ... returns
+//   ACL_ERROR_RT_FEATURE_NOT_SUPPORT"): a host-to-host copy waits for its stream, then runs on the calling
+//   thread (the engine's issuing thread), so it stays ordered with the stream's other work.
+// - Its addresses must be 64-byte aligned (CANN 8.0 reference, all models): a copy at other addresses is
+//   refused here with InvalidArgument before it reaches the vendor. The copy engine stages host memory at an
+//   unaligned address through its aligned pinned buffers (copy_alignment()), so only device addresses can
+//   meet the refusal.
+// - Contexts are per thread; current_device() is -1 on a thread that has none (never set a device).
+// - Registration has no read-only flag (aclrtHostRegisterV2 flags: mapped, pinned); read-only pages are
+//   registered as any other.
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "common/error.h"
+#include "common/thread_pool.h"
 #include "runtime/acl_abi.h"
 #include "runtime/device_runtime.h"
 #include "runtime/dl_library.h"
@@ -44,8 +57,9 @@ struct AscendCL {
 // Loads `library`, else $MSRL_ASCENDCL_PATH, else libascendcl.so, and resolves every symbol. Required
 // symbols that are missing make the backend unavailable; optional ones stay null.
 AscendCL load_ascendcl(const std::string& library, std::string* path) {
-  void* handle = open_library(library_candidates(library, "MSRL_ASCENDCL_PATH", {"libascendcl.so"}),
-                              "AscendCL (set MSRL_ASCENDCL_PATH to libascendcl.so)", path);
+  void* handle =
+      open_library(library_candidates(library, "MSRL_ASCENDCL_PATH", {"libascendcl.so"}, library_dirs("acl")),
+                   "AscendCL (set MSRL_ASCENDCL_PATH to libascendcl.so)", path);
   constexpr const char* kWhat = "AscendCL (libascendcl)";
   AscendCL api;
 #define MSRL_ACL_RESOLVE(name, ret, params) \
@@ -91,6 +105,17 @@ class AclRuntime final : public DeviceRuntime {
     }
     if (err != ACL_SUCCESS) fail(err, "aclrtSetDevice", detail::concat(device), __FILE__, __LINE__);
   }
+  int current_device() override {
+    int32_t device = -1;
+    aclError err = api_.aclrtGetDevice(&device);
+    if (err == ACL_ERROR_RT_CONTEXT_NULL) {
+      recent_error();  // clear the vendor's message queue
+      return -1;
+    }
+    if (err != ACL_SUCCESS) fail(err, "aclrtGetDevice", "", __FILE__, __LINE__);
+    return device;
+  }
+  size_t copy_alignment() const override { return kAclCopyAlignment; }
 
   void* host_alloc_pinned(size_t nbytes) override {
     MSRL_CHECK(nbytes > 0, kInvalidArgument, "pinned allocation size must be > 0, got 0");
@@ -101,7 +126,7 @@ class AclRuntime final : public DeviceRuntime {
   void host_free_pinned(void* ptr) override {
     if (ptr != nullptr) MSRL_ACL_CALL(aclrtFreeHost, (ptr), ptr);
   }
-  void host_register(void* ptr, size_t nbytes) override {
+  void host_register(void* ptr, size_t nbytes, bool /*read_only*/) override {
     MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot register a null pointer");
     MSRL_CHECK(nbytes > 0, kInvalidArgument, "cannot register 0 bytes at ", ptr);
     if (api_.aclrtHostRegisterV2 != nullptr) {
@@ -164,11 +189,16 @@ class AclRuntime final : public DeviceRuntime {
       copy_1d(d, s, width * height, kind, stream);
       return;
     }
+    if (kind == CopyKind::kHostToHost) {
+      host_copy_2d(d, dpitch, s, spitch, width, height, stream);
+      return;
+    }
     bool native = (kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToHost) && width <= kAclMemcpy2dMaxWidth;
     if (!native) {
       for (size_t r = 0; r < height; ++r) copy_1d(d + r * dpitch, s + r * spitch, width, kind, stream);
       return;
     }
+    check_aligned(d, s, kind);
     for (size_t r = 0; r < height; r += kAclMemcpy2dMaxHeight) {
       size_t rows = std::min(height - r, kAclMemcpy2dMaxHeight);
       MSRL_ACL_CALL(aclrtMemcpy2dAsync,
@@ -179,7 +209,9 @@ class AclRuntime final : public DeviceRuntime {
     }
   }
 
-  Event event_create(bool) override {
+  // aclrtCreateEvent events serve timing, stream waits and host waits alike, and aclrtSynchronizeEvent
+  // blocks (no spinning flag to ask for), so the flags need no special event.
+  Event event_create(unsigned /*flags*/) override {
     aclrtEvent event = nullptr;
     MSRL_ACL_CALL(aclrtCreateEvent, (&event), "");
     return event;
@@ -206,8 +238,29 @@ class AclRuntime final : public DeviceRuntime {
     return event;
   }
   void copy_1d(void* dst, const void* src, size_t nbytes, CopyKind kind, Stream stream) {
+    if (kind == CopyKind::kHostToHost) {
+      host_copy_2d(static_cast<char*>(dst), nbytes, static_cast<const char*>(src), nbytes, nbytes, 1, stream);
+      return;
+    }
+    check_aligned(dst, src, kind);
     MSRL_ACL_CALL(aclrtMemcpyAsync, (dst, nbytes, src, nbytes, aclrtMemcpyKind(kind), stream), "dst=", dst,
                   ", src=", src, ", ", nbytes, " bytes, ", copy_kind_name(kind));
+  }
+  // Within the host: after the stream's earlier work (which may produce the source), on this thread.
+  void host_copy_2d(char* d, size_t dpitch, const char* s, size_t spitch, size_t width, size_t height, Stream stream) {
+    stream_synchronize(stream);
+    if (dpitch == width && spitch == width) {
+      parallel_memcpy(d, s, width * height);
+      return;
+    }
+    for (size_t r = 0; r < height; ++r) std::memcpy(d + r * dpitch, s + r * spitch, width);
+  }
+  static void check_aligned(const void* dst, const void* src, CopyKind kind) {
+    auto off = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % kAclCopyAlignment; };
+    MSRL_CHECK(off(dst) == 0 && off(src) == 0, kInvalidArgument, "AscendCL copies need ", kAclCopyAlignment,
+               "-byte aligned addresses (aclrtMemcpyAsync); this ", copy_kind_name(kind), " copy has ",
+               off(dst) != 0 ? "dst=" : "src=", off(dst) != 0 ? dst : src, ", ", off(dst) != 0 ? off(dst) : off(src),
+               " bytes past a ", kAclCopyAlignment, "-byte boundary");
   }
 
   // The vendor's text for the latest failure on this thread, when the library provides it.

@@ -15,6 +15,17 @@ using cudaError_t = int;
 using cudaStream_t = struct CUstream_st*;
 using cudaEvent_t = struct CUevent_st*;
 
+// cudaPointerGetAttributes' result. CUDA 12 has the four fields; CUDA 13 appends a locality-domain union and
+// reserved[7] (96 bytes in all). Ours has CUDA 13's size with the same leading fields, so either runtime
+// writes inside it (the conformance test checks the offsets against both headers); zero it before the call.
+struct cudaPointerAttributes {
+  int type;  // enum cudaMemoryType
+  int device;
+  void* devicePointer;
+  void* hostPointer;
+  long reserved[8];
+};
+
 enum cudaMemcpyKind : int {
   cudaMemcpyHostToHost = 0,
   cudaMemcpyHostToDevice = 1,
@@ -29,6 +40,7 @@ enum cudaMemcpyKind : int {
   X(cudaError_t, cudaSuccess, 0)                            \
   X(cudaError_t, cudaErrorInvalidValue, 1)                  \
   X(cudaError_t, cudaErrorMemoryAllocation, 2)              \
+  X(cudaError_t, cudaErrorCudartUnloading, 4)               \
   X(cudaError_t, cudaErrorInsufficientDriver, 35)           \
   X(cudaError_t, cudaErrorNoDevice, 100)                    \
   X(cudaError_t, cudaErrorInvalidDevice, 101)               \
@@ -41,10 +53,16 @@ enum cudaMemcpyKind : int {
   X(unsigned, cudaHostAllocPortable, 1)                     \
   X(unsigned, cudaHostRegisterDefault, 0)                   \
   X(unsigned, cudaHostRegisterPortable, 1)                  \
+  X(unsigned, cudaHostRegisterReadOnly, 8)                  \
   X(unsigned, cudaStreamDefault, 0)                         \
   X(unsigned, cudaStreamNonBlocking, 1)                     \
   X(unsigned, cudaEventDefault, 0)                          \
-  X(unsigned, cudaEventDisableTiming, 2)
+  X(unsigned, cudaEventBlockingSync, 1)                     \
+  X(unsigned, cudaEventDisableTiming, 2)                    \
+  X(int, cudaMemoryTypeUnregistered, 0)                     \
+  X(int, cudaMemoryTypeHost, 1)                             \
+  X(int, cudaMemoryTypeDevice, 2)                           \
+  X(int, cudaMemoryTypeManaged, 3)
 
 #define MSRL_CUDART_CONSTANT(type, name, value) constexpr type name = value;
 MSRL_CUDART_CONSTANTS(MSRL_CUDART_CONSTANT)
@@ -52,9 +70,12 @@ MSRL_CUDART_CONSTANTS(MSRL_CUDART_CONSTANT)
 
 #define MSRL_CUDART_SYMBOLS(X)                                                                                   \
   X(cudaGetErrorString, const char*, (cudaError_t error))                                                        \
+  X(cudaGetLastError, cudaError_t, ())                                                                           \
   X(cudaRuntimeGetVersion, cudaError_t, (int* version))                                                          \
   X(cudaGetDeviceCount, cudaError_t, (int* count))                                                               \
+  X(cudaGetDevice, cudaError_t, (int* device))                                                                   \
   X(cudaSetDevice, cudaError_t, (int device))                                                                    \
+  X(cudaPointerGetAttributes, cudaError_t, (cudaPointerAttributes * attributes, const void* ptr))                \
   X(cudaHostAlloc, cudaError_t, (void** ptr, size_t size, unsigned flags))                                       \
   X(cudaFreeHost, cudaError_t, (void* ptr))                                                                      \
   X(cudaHostRegister, cudaError_t, (void* ptr, size_t size, unsigned flags))                                     \

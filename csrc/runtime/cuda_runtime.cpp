@@ -4,6 +4,10 @@
 //
 // The library handle is never closed: pinned buffers, streams and events may outlive any one runtime
 // object, and unloading libcudart under them would turn a late free into a crash.
+//
+// Every failed call is followed by cudaGetLastError: the runtime keeps a failure as the calling thread's
+// last error, and torch checks that error after its own kernel launches (C10_CUDA_KERNEL_LAUNCH_CHECK), so
+// an error we already reported would resurface at an unrelated torch op.
 
 #include <string>
 #include <vector>
@@ -35,7 +39,8 @@ struct Cudart {
 Cudart load_cudart(const std::string& library, std::string* path) {
   void* handle =
       open_library(library_candidates(library, "MSRL_CUDART_PATH",
-                                      {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}),
+                                      {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"},
+                                      library_dirs("cuda")),
                    "the CUDA runtime (set MSRL_CUDART_PATH to libcudart.so)", path);
   Cudart api;
 #define MSRL_CUDART_RESOLVE(name, ret, params) \
@@ -56,6 +61,7 @@ class CudaRuntime final : public DeviceRuntime {
  public:
   CudaRuntime(const Cudart& api, std::string path) : api_(api), path_(std::move(path)) {
     cudaError_t err = api_.cudaRuntimeGetVersion(&version_);
+    if (err != cudaSuccess) clear_error();
     MSRL_CHECK(err == cudaSuccess, kUnavailable, path_, ": cudaRuntimeGetVersion failed with cudaError ", err);
   }
 
@@ -64,7 +70,10 @@ class CudaRuntime final : public DeviceRuntime {
   int device_count() override {
     int count = 0;
     cudaError_t err = api_.cudaGetDeviceCount(&count);
-    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) return 0;  // no GPU, or no driver
+    if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver) {  // no GPU, or no driver
+      clear_error();
+      return 0;
+    }
     if (err != cudaSuccess) fail(err, "cudaGetDeviceCount", "", __FILE__, __LINE__);
     return count;
   }
@@ -72,10 +81,16 @@ class CudaRuntime final : public DeviceRuntime {
     MSRL_CHECK(device >= 0, kInvalidArgument, "cuda device must be >= 0, got ", device);
     cudaError_t err = api_.cudaSetDevice(device);
     if (err == cudaErrorInvalidDevice) {
+      clear_error();
       MSRL_THROW(kInvalidArgument, "cuda device ", device, " does not exist; this process sees ", device_count(),
                  " device(s)");
     }
     if (err != cudaSuccess) fail(err, "cudaSetDevice", detail::concat(device), __FILE__, __LINE__);
+  }
+  int current_device() override {
+    int device = 0;
+    MSRL_CUDART_CALL(cudaGetDevice, (&device), "");
+    return device;
   }
 
   // Portable: pinned for every device of the process, not only the current one.
@@ -88,10 +103,37 @@ class CudaRuntime final : public DeviceRuntime {
   void host_free_pinned(void* ptr) override {
     if (ptr != nullptr) MSRL_CUDART_CALL(cudaFreeHost, (ptr), ptr);
   }
-  void host_register(void* ptr, size_t nbytes) override {
+  // Read-only pages (a read-only mmap) can be pinned only with cudaHostRegisterReadOnly (CUDA 11.1+). When
+  // the caller could not say (a torch tensor over a read-only mapping), a refused registration is tried
+  // once more read-only before its error is reported.
+  void host_register(void* ptr, size_t nbytes, bool read_only) override {
     MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot register a null pointer");
     MSRL_CHECK(nbytes > 0, kInvalidArgument, "cannot register 0 bytes at ", ptr);
-    MSRL_CUDART_CALL(cudaHostRegister, (ptr, nbytes, cudaHostRegisterPortable), ptr, ", ", nbytes, " bytes");
+    unsigned flags = cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0u);
+    cudaError_t err = api_.cudaHostRegister(ptr, nbytes, flags);
+    if (err != cudaSuccess && err != cudaErrorHostMemoryAlreadyRegistered && !read_only) {
+      clear_error();
+      if (api_.cudaHostRegister(ptr, nbytes, flags | cudaHostRegisterReadOnly) == cudaSuccess) return;
+    }
+    if (err != cudaSuccess) {
+      fail(err, "cudaHostRegister", detail::concat(ptr, ", ", nbytes, " bytes", read_only ? ", read-only" : ""),
+           __FILE__, __LINE__);
+    }
+  }
+  // What torch's is_pinned() asks: cudaPointerGetAttributes says cudaMemoryTypeHost for memory from
+  // cudaHostAlloc (torch's pin_memory) or cudaHostRegister, at both ends of the range.
+  bool host_is_pinned(const void* ptr, size_t nbytes) override {
+    if (ptr == nullptr || nbytes == 0) return false;
+    auto is_host = [&](const void* p) {
+      cudaPointerAttributes attr{};
+      cudaError_t err = api_.cudaPointerGetAttributes(&attr, p);
+      if (err != cudaSuccess) {
+        clear_error();  // older runtimes fail on unregistered host memory instead of reporting it
+        return false;
+      }
+      return attr.type == cudaMemoryTypeHost;
+    };
+    return is_host(ptr) && is_host(static_cast<const char*>(ptr) + nbytes - 1);
   }
   void host_unregister(void* ptr) override {
     MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot unregister a null pointer");
@@ -146,10 +188,11 @@ class CudaRuntime final : public DeviceRuntime {
                      " bytes, ", copy_kind_name(kind));
   }
 
-  Event event_create(bool timing) override {
+  Event event_create(unsigned flags) override {
     cudaEvent_t event = nullptr;
-    unsigned flags = timing ? cudaEventDefault : cudaEventDisableTiming;
-    MSRL_CUDART_CALL(cudaEventCreateWithFlags, (&event, flags), "timing=", timing);
+    unsigned cuda_flags = (flags & kEventTiming) ? cudaEventDefault : cudaEventDisableTiming;
+    if (flags & kEventBlockingSync) cuda_flags |= cudaEventBlockingSync;
+    MSRL_CUDART_CALL(cudaEventCreateWithFlags, (&event, cuda_flags), "flags=", cuda_flags);
     return event;
   }
   void event_destroy(Event event) override { MSRL_CUDART_CALL(cudaEventDestroy, (as_event(event)), event); }
@@ -159,13 +202,17 @@ class CudaRuntime final : public DeviceRuntime {
   bool event_query(Event event) override {
     cudaError_t err = api_.cudaEventQuery(as_event(event));
     if (err == cudaSuccess) return true;
-    if (err == cudaErrorNotReady) return false;
+    if (err == cudaErrorNotReady) {
+      clear_error();  // "not ready" is left as the thread's last error too (torch clears it the same way)
+      return false;
+    }
     fail(err, "cudaEventQuery", detail::concat(event), __FILE__, __LINE__);
   }
   void event_synchronize(Event event) override { MSRL_CUDART_CALL(cudaEventSynchronize, (as_event(event)), event); }
   float event_elapsed_ms(Event start, Event end) override {
     float ms = 0;
     cudaError_t err = api_.cudaEventElapsedTime(&ms, as_event(start), as_event(end));
+    if (err == cudaErrorNotReady || err == cudaErrorInvalidResourceHandle) clear_error();
     MSRL_CHECK(err != cudaErrorNotReady, kInvalidArgument, "elapsed time needs two completed events");
     MSRL_CHECK(err != cudaErrorInvalidResourceHandle, kInvalidArgument,
                "elapsed time needs two live events created with timing=true");
@@ -180,8 +227,12 @@ class CudaRuntime final : public DeviceRuntime {
     return static_cast<cudaEvent_t>(event);
   }
 
+  // Reads and clears the calling thread's last error, which the failed call just set.
+  void clear_error() const { api_.cudaGetLastError(); }
+
   // Out of memory and registration clashes get the codes the host backend uses; the rest are DeviceError.
   [[noreturn]] void fail(cudaError_t err, const char* fn, const std::string& args, const char* file, int line) const {
+    clear_error();
     Code code = Code::kDeviceError;
     if (err == cudaErrorMemoryAllocation) code = Code::kOutOfMemory;
     if (err == cudaErrorHostMemoryAlreadyRegistered) code = Code::kInvalidArgument;

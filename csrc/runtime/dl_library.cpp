@@ -1,6 +1,7 @@
 #include "runtime/dl_library.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdlib>
 
@@ -9,11 +10,19 @@
 namespace msrl {
 
 std::vector<std::string> library_candidates(const std::string& explicit_path, const char* env_var,
-                                            const std::vector<std::string>& defaults) {
+                                            const std::vector<std::string>& defaults,
+                                            const std::vector<std::string>& dirs) {
   if (!explicit_path.empty()) return {explicit_path};
   const char* env = std::getenv(env_var);
   if (env != nullptr && *env != '\0') return {env};
-  return defaults;
+  std::vector<std::string> out = defaults;
+  for (const auto& dir : dirs) {
+    for (const auto& soname : defaults) {
+      std::string path = dir + "/" + soname;
+      if (access(path.c_str(), R_OK) == 0) out.push_back(path);
+    }
+  }
+  return out;
 }
 
 void* open_library(const std::vector<std::string>& candidates, const std::string& hint, std::string* path) {

@@ -7,9 +7,11 @@
 namespace msrl {
 
 // The library to load: `explicit_path` if set, else the environment variable `env_var` if set, else the
-// default sonames in order. An explicit path or variable never falls back to the defaults.
+// default sonames in order (the loader path, and copies already loaded by soname), then each soname in each
+// of `dirs` that holds it. An explicit path or variable never falls back to the defaults.
 std::vector<std::string> library_candidates(const std::string& explicit_path, const char* env_var,
-                                            const std::vector<std::string>& defaults);
+                                            const std::vector<std::string>& defaults,
+                                            const std::vector<std::string>& dirs = {});
 
 // Opens the first candidate that loads (RTLD_NOW | RTLD_LOCAL) and stores its name in `*path`. Throws
 // Unavailable naming every failure and `hint` (what to set) when none loads. The handle is never closed

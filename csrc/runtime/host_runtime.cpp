@@ -158,7 +158,7 @@ class HostRuntime final : public DeviceRuntime {
 
   void* host_alloc_pinned(size_t nbytes) override { return aligned_host_alloc(nbytes); }
   void host_free_pinned(void* ptr) override { std::free(ptr); }
-  void host_register(void* ptr, size_t nbytes) override {
+  void host_register(void* ptr, size_t nbytes, bool /*read_only*/) override {
     MSRL_CHECK(ptr != nullptr, kInvalidArgument, "cannot register a null pointer");
     MSRL_CHECK(nbytes > 0, kInvalidArgument, "cannot register 0 bytes at ", ptr);
     std::lock_guard<std::mutex> lock(mu_);
@@ -199,8 +199,10 @@ class HostRuntime final : public DeviceRuntime {
   void stream_synchronize(Stream stream) override {
     if (stream != nullptr) check_stream(stream)->synchronize();
   }
+  // The queued wait holds its own reference: the event may be destroyed right after this call (as CUDA
+  // allows: the wait uses the state captured here).
   void stream_wait_event(Stream stream, Event event) override {
-    auto* ev = check_event(event);
+    std::shared_ptr<HostEvent> ev = check_event(event);
     uint64_t target;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
@@ -241,15 +243,22 @@ class HostRuntime final : public DeviceRuntime {
     submit(stream, [plan = std::move(plan), dst, src] { run_plan(plan, dst, src); });
   }
 
-  Event event_create(bool timing) override {
-    auto* ev = new HostEvent();
-    ev->timing = timing;
-    return ev;
+  Event event_create(unsigned flags) override {
+    auto ev = std::make_shared<HostEvent>();  // host waits block on a condition variable: never a spin
+    ev->timing = (flags & kEventTiming) != 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    events_[ev.get()] = ev;
+    return ev.get();
   }
-  void event_destroy(Event event) override { delete check_event(event); }
+  // Queued records and waits keep their own references; the handle is dead from now on.
+  void event_destroy(Event event) override {
+    check_event(event);
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.erase(event);
+  }
   void event_record(Event event, Stream stream) override {
     if (stream != nullptr) check_stream(stream);
-    auto* ev = check_event(event);
+    std::shared_ptr<HostEvent> ev = check_event(event);
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
@@ -258,12 +267,12 @@ class HostRuntime final : public DeviceRuntime {
     submit(stream, [ev, gen] { ev->complete(gen); });
   }
   bool event_query(Event event) override {
-    auto* ev = check_event(event);
+    auto ev = check_event(event);
     std::lock_guard<std::mutex> lock(ev->mu);
     return ev->completed >= ev->recorded;
   }
   void event_synchronize(Event event) override {
-    auto* ev = check_event(event);
+    auto ev = check_event(event);
     uint64_t target;
     {
       std::lock_guard<std::mutex> lock(ev->mu);
@@ -272,8 +281,8 @@ class HostRuntime final : public DeviceRuntime {
     ev->wait_for(target);
   }
   float event_elapsed_ms(Event start, Event end) override {
-    auto* a = check_event(start);
-    auto* b = check_event(end);
+    auto a = check_event(start);
+    auto b = check_event(end);
     MSRL_CHECK(a->timing && b->timing, kInvalidArgument, "elapsed time needs two events created with timing=true");
     std::lock_guard<std::mutex> la(a->mu);
     std::lock_guard<std::mutex> lb(b->mu);
@@ -337,9 +346,13 @@ class HostRuntime final : public DeviceRuntime {
   }
 
  private:
-  static HostEvent* check_event(Event event) {
+  std::shared_ptr<HostEvent> check_event(Event event) {
     MSRL_CHECK(event != nullptr, kInvalidArgument, "event handle is null");
-    return static_cast<HostEvent*>(event);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = events_.find(event);
+    MSRL_CHECK(it != events_.end(), kInvalidArgument, "event handle ", event,
+               " is not a live event of the host backend");
+    return it->second;
   }
   // Host streams are our own objects, so a handle from elsewhere (a torch stream, a freed stream) is
   // caught here instead of being dereferenced.
@@ -360,6 +373,7 @@ class HostRuntime final : public DeviceRuntime {
   std::mutex mu_;
   std::map<uintptr_t, size_t> registered_;
   std::set<Stream> streams_;
+  std::map<Event, std::shared_ptr<HostEvent>> events_;
 };
 
 }  // namespace

@@ -40,8 +40,9 @@ void DeviceRuntime::memcpy_batch_async(const CopyRegion* regions, size_t count, 
 namespace {
 
 std::mutex g_mu;
-std::map<std::string, std::shared_ptr<DeviceRuntime>> g_runtimes;  // by canonical name
-std::map<std::string, std::string> g_failures;                     // why a backend did not load
+std::map<std::string, std::shared_ptr<DeviceRuntime>> g_runtimes;  // by canonical name; loaded ones only
+std::mutex g_dirs_mu;
+std::map<std::string, std::vector<std::string>> g_library_dirs;  // by canonical name
 
 std::string canonical(const std::string& device) {
   if (device == "npu" || device == "acl" || device == "ascend") return "acl";
@@ -51,12 +52,12 @@ std::string canonical(const std::string& device) {
   MSRL_THROW(kInvalidArgument, "unknown device '", device, "'; allowed: auto, host, cpu, cuda, npu, acl");
 }
 
-// Loads (once) and caches a backend; remembers why it failed. Caller holds g_mu.
+// Loads a backend and keeps it once it loaded. A failure is not kept: the next call tries again, since
+// what was missing may be there by then (torch loaded libcudart, set_library_dirs named its folder).
+// Caller holds g_mu.
 std::shared_ptr<DeviceRuntime> load_locked(const std::string& name) {
   auto it = g_runtimes.find(name);
   if (it != g_runtimes.end()) return it->second;
-  auto failed = g_failures.find(name);
-  if (failed != g_failures.end()) MSRL_THROW(kUnavailable, failed->second);
   try {
     std::shared_ptr<DeviceRuntime> rt;
     if (name == "host") rt = make_host_runtime();
@@ -65,12 +66,26 @@ std::shared_ptr<DeviceRuntime> load_locked(const std::string& name) {
     g_runtimes[name] = rt;
     return rt;
   } catch (const Error& e) {
-    g_failures[name] = name + " backend unavailable: " + e.message();
-    throw;
+    MSRL_THROW(kUnavailable, name, " backend unavailable: ", e.message());
   }
 }
 
 }  // namespace
+
+void set_library_dirs(const std::string& backend, std::vector<std::string> dirs) {
+  std::string name = canonical(backend);
+  MSRL_CHECK(name == "cuda" || name == "acl", kInvalidArgument, "library folders are for the cuda and acl ",
+             "backends, got '", backend, "'");
+  std::lock_guard<std::mutex> lock(g_dirs_mu);
+  g_library_dirs[name] = std::move(dirs);
+}
+
+std::vector<std::string> library_dirs(const std::string& backend) {
+  std::string name = canonical(backend);
+  std::lock_guard<std::mutex> lock(g_dirs_mu);
+  auto it = g_library_dirs.find(name);
+  return it == g_library_dirs.end() ? std::vector<std::string>{} : it->second;
+}
 
 std::vector<BackendInfo> probe_backends() {
   std::lock_guard<std::mutex> lock(g_mu);
