@@ -60,10 +60,11 @@ cpp-asan: build-asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir build/asan --output-on-failure -j $(JOBS)
 
-# ThreadSanitizer over the concurrent parts: streams and events, the pool, the engine, the dock.
+# ThreadSanitizer over the concurrent parts: streams and events, the pool, the engine (on the host runtime and
+# on the fake vendor runtimes), the dock.
 cpp-tsan: build-tsan
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 build/tsan/cpp_tests/msrl_cpp_tests \
-	  --gtest_filter='HostRuntime.*:PinnedPool.*:CopyEngine.*:Controller*.*:Warehouse*.*:Dock*.*'
+	  --gtest_filter='HostRuntime.*:PinnedPool.*:CopyEngine.*:Fake*.*:*VendorRuntime.*:RuntimeDiscovery.*:Controller*.*:Warehouse*.*:Dock*.*'
 
 lint: apt venv
 	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')

@@ -26,7 +26,8 @@ CopyKind parse_kind(const std::string& kind) {
   MSRL_THROW(kInvalidArgument, "unknown copy kind '", kind, "'; allowed: h2h, h2d, d2h, d2d");
 }
 
-// None, a Stream object, or an integer handle (torch.cuda.current_stream().cuda_stream).
+// A Stream object, or an integer handle (torch.cuda.current_stream().cuda_stream; 0 is the default stream).
+// None: the default stream.
 Stream parse_stream(const py::object& obj) {
   if (obj.is_none()) return nullptr;
   if (py::isinstance<PyStream>(obj)) return obj.cast<PyStream&>().stream;
@@ -40,6 +41,14 @@ Stream parse_stream(const py::object& obj) {
              py::str(py::type::of(obj)).cast<std::string>());
 }
 
+// `after=`: None orders nothing; any stream given, the default stream (handle 0) included, orders the copy
+// after the work already enqueued there. (0 used to read as "none": on CUDA that dropped every ordering
+// after torch's default stream, which the engine's non-blocking streams do not synchronise with.)
+CopyEngine::After parse_after(const py::object& obj) {
+  if (obj.is_none()) return std::nullopt;
+  return parse_stream(obj);
+}
+
 PyTicket& check_ticket(const py::object& obj) {
   MSRL_CHECK(py::isinstance<PyTicket>(obj), kInvalidArgument, "expected a Ticket, got ",
              py::str(py::type::of(obj)).cast<std::string>());
@@ -48,6 +57,7 @@ PyTicket& check_ticket(const py::object& obj) {
 
 py::dict engine_stats(const EngineStats& s) {
   py::dict d;
+  d["ordered"] = s.ordered;
   d["submitted"] = s.submitted;
   d["completed"] = s.completed;
   d["failed"] = s.failed;
@@ -127,7 +137,7 @@ void bind_copy(py::module_& m) {
             void* d = checked_pointer(dst, "dst", n == 0);
             void* s = checked_pointer(src, "src", n == 0);
             CopyKind k = parse_kind(kind);
-            Stream a = parse_stream(after);
+            CopyEngine::After a = parse_after(after);
             py::gil_scoped_release release;
             return PyTicket{e->copy(d, s, n, k, a), e};
           },
@@ -146,7 +156,7 @@ void bind_copy(py::module_& m) {
               regions[i].src = checked_pointer(srcs[i], "src", regions[i].nbytes == 0);
             }
             CopyKind k = parse_kind(kind);
-            Stream a = parse_stream(after);
+            CopyEngine::After a = parse_after(after);
             py::gil_scoped_release release;
             return PyTicket{e->copy_batch(std::move(regions), k, a), e};
           },
@@ -161,7 +171,7 @@ void bind_copy(py::module_& m) {
             void* s = checked_pointer(src, "src");
             uint64_t dn = checked_size(dst_bytes, "dst_bytes"), sn = checked_size(src_bytes, "src_bytes");
             CopyKind k = parse_kind(kind);
-            Stream a = parse_stream(after);
+            CopyEngine::After a = parse_after(after);
             py::gil_scoped_release release;
             return PyTicket{e->execute(plan, d, dn, s, sn, k, a), e};
           },
@@ -198,6 +208,7 @@ void bind_copy(py::module_& m) {
            [](const CopyEngine& e, const std::string& kind) {
              return reinterpret_cast<uintptr_t>(e.stream(parse_kind(kind)));
            })
+      .def_property_readonly("device", &CopyEngine::device)
       .def("stats", [](const CopyEngine& e) { return engine_stats(e.stats()); });
 }
 

@@ -14,18 +14,98 @@ namespace msrl {
 namespace {
 std::atomic<uint64_t> g_next_engine_id{1};
 using Clock = std::chrono::steady_clock;
+
+// Binds the calling thread to `device` for its scope and restores its previous device after: the caller's
+// thread belongs to the caller (torch keeps its own current device there). A thread without a device yet
+// (an ACL thread with no context) keeps the engine's.
+class DeviceGuard {
+ public:
+  DeviceGuard(DeviceRuntime& rt, int device) : rt_(rt) {
+    if (rt.device_is_host()) return;
+    prev_ = rt.current_device();
+    if (prev_ != device) {
+      rt.set_device(device);
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (!switched_ || prev_ < 0) return;
+    try {
+      rt_.set_device(prev_);
+    } catch (const std::exception&) {
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  DeviceRuntime& rt_;
+  int prev_ = -1;
+  bool switched_ = false;
+};
+
+// Runs `fn`, which may call the runtime, from a destructor: a runtime torn down before us (torch_npu
+// finalises ACL in an atexit hook, before module globals are collected) must not turn a passing run into
+// std::terminate.
+template <typename Fn>
+void quietly(Fn&& fn) noexcept {
+  try {
+    fn();
+  } catch (const std::exception&) {
+  }
+}
+
+// Splits `p` so that every piece fits in `chunk` bytes: groups of whole rows, or 1-D slices of a row longer
+// than a chunk.
+void split_piece(std::vector<CopyEngine::Piece>& out, const CopyEngine::Piece& p, uint64_t chunk) {
+  if (p.rows == 0 || p.row_bytes == 0) return;
+  if (p.row_bytes > chunk) {
+    for (uint64_t r = 0; r < p.rows; ++r) {
+      for (uint64_t off = 0; off < p.row_bytes; off += chunk) {
+        uint64_t len = std::min(chunk, p.row_bytes - off);
+        out.push_back({p.dst + r * p.dst_pitch + off, p.src + r * p.src_pitch + off, 1, len, len, len});
+      }
+    }
+    return;
+  }
+  uint64_t per = chunk / p.row_bytes;
+  for (uint64_t r = 0; r < p.rows; r += per) {
+    uint64_t rows = std::min(per, p.rows - r);
+    out.push_back({p.dst + r * p.dst_pitch, p.src + r * p.src_pitch, rows, p.row_bytes, p.src_pitch, p.dst_pitch});
+  }
+}
+
+// Pieces packed into bounce-buffer batches of at most `chunk` bytes; each piece starts at an offset aligned
+// to `align` inside its batch.
+struct Batch {
+  size_t first = 0, count = 0;
+  std::vector<uint64_t> offsets;
+};
+std::vector<Batch> pack(const std::vector<CopyEngine::Piece>& pieces, uint64_t chunk, uint64_t align) {
+  std::vector<Batch> out;
+  uint64_t used = chunk + 1;  // forces a first batch
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    uint64_t at = (used + align - 1) / align * align;
+    if (out.empty() || at + pieces[i].bytes() > chunk) {
+      out.push_back({i, 0, {}});
+      at = 0;
+    }
+    out.back().offsets.push_back(at);
+    ++out.back().count;
+    used = at + pieces[i].bytes();
+  }
+  return out;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------- Ticket
 
-Ticket::Ticket(std::shared_ptr<DeviceRuntime> rt, uint64_t engine_id, uint64_t id, uint64_t bytes, Event event)
-    : rt_(std::move(rt)), engine_id_(engine_id), id_(id), bytes_(bytes), event_(event), submitted_(Clock::now()) {}
+Ticket::Ticket(std::shared_ptr<DeviceRuntime> rt, uint64_t engine_id, uint64_t id, uint64_t bytes)
+    : rt_(std::move(rt)), engine_id_(engine_id), id_(id), bytes_(bytes), submitted_(Clock::now()) {}
 
 Ticket::~Ticket() {
-  try {
-    rt_->event_destroy(event_);
-  } catch (const Error&) {
-  }
+  if (event_ != nullptr) quietly([&] { rt_->event_destroy(event_); });  // the lane destroys it normally
 }
 
 bool Ticket::done() const {
@@ -43,6 +123,8 @@ double Ticket::seconds() const {
 
 // One direction: a stream, an issuing thread that runs jobs in FIFO order (enqueueing device work,
 // staging pageable memory), and a completing thread that waits for each job's event and wakes waiters.
+// Both threads bind the engine's device first: vendor devices (CUDA) and contexts (ACL) are per thread, and
+// the lane's stream and events must belong to the engine's device.
 struct CopyEngine::Lane {
   struct Job {
     std::shared_ptr<Ticket> ticket;
@@ -50,8 +132,6 @@ struct CopyEngine::Lane {
     std::function<void(Lane&)> issue;
   };
 
-  // The vendor device (CUDA) or context (ACL) is per thread: each lane thread binds `device` first, and
-  // the stream is created on the issuing thread so that it belongs to that device.
   Lane(CopyEngine* engine, std::shared_ptr<DeviceRuntime> rt, int device)
       : engine(engine), rt(std::move(rt)), device(device) {
     std::promise<void> ready;
@@ -96,10 +176,10 @@ struct CopyEngine::Lane {
     issuer.join();
     completer.join();
     for (int i = 0; i < 2; ++i) {
-      if (bounce[i] != nullptr) rt->host_free_pinned(bounce[i]);
-      if (bounce_free[i] != nullptr) rt->event_destroy(bounce_free[i]);
+      if (bounce[i] != nullptr) quietly([&] { rt->host_free_pinned(bounce[i]); });
+      if (bounce_free[i] != nullptr) quietly([&] { rt->event_destroy(bounce_free[i]); });
     }
-    rt->stream_destroy(stream);
+    quietly([&] { rt->stream_destroy(stream); });
   }
 
   void push(Job job) {
@@ -124,9 +204,15 @@ struct CopyEngine::Lane {
       lock.unlock();
       std::exception_ptr error;
       try {
+        // A host wait on the ticket (the completer's) sleeps rather than spinning a core.
+        Event event = rt->event_create(kEventBlockingSync);
+        {
+          std::lock_guard<std::mutex> tlock(job.ticket->mu_);
+          job.ticket->event_ = event;
+        }
         if (job.after != nullptr) rt->stream_wait_event(stream, job.after);
         job.issue(*this);
-        rt->event_record(job.ticket->event_, stream);
+        rt->event_record(event, stream);
         {
           std::lock_guard<std::mutex> tlock(job.ticket->mu_);
           job.ticket->issued_ = true;
@@ -149,31 +235,37 @@ struct CopyEngine::Lane {
       auto [job, error] = std::move(inflight.front());
       inflight.pop_front();
       lock.unlock();
+      Ticket& t = *job.ticket;
       if (!error) {
         try {
-          rt->event_synchronize(job.ticket->event_);
+          rt->event_synchronize(t.event_);  // event_ is only replaced by this thread, below
         } catch (...) {
           error = std::current_exception();
         }
+      } else {
+        // Part of the job may be on the stream still: let it drain before the caller reuses the buffers.
+        quietly([&] { rt->stream_synchronize(stream); });
+      }
+      {
+        std::lock_guard<std::mutex> tlock(t.mu_);  // order_stream uses the event under this lock
+        if (t.event_ != nullptr) quietly([&] { rt->event_destroy(t.event_); });
+        t.event_ = nullptr;
       }
       if (job.after != nullptr) {
         // The stream has passed the wait (its own event completed after it), so `after` is unused now.
-        try {
-          rt->event_destroy(job.after);
-        } catch (const Error&) {
-        }
+        quietly([&] { rt->event_destroy(job.after); });
       }
-      engine->finish(*job.ticket, error);
+      engine->finish(t, error);
       lock.lock();
     }
   }
 
-  // Lazily allocated double buffer for staging pageable memory.
+  // Lazily allocated double buffer for staging host memory.
   void ensure_bounce(size_t chunk) {
     if (bounce[0] != nullptr) return;
     for (int i = 0; i < 2; ++i) {
-      bounce[i] = rt->host_alloc_pinned(chunk);
-      bounce_free[i] = rt->event_create(false);
+      bounce[i] = static_cast<char*>(rt->host_alloc_pinned(chunk));
+      bounce_free[i] = rt->event_create(kEventBlockingSync);
     }
   }
 
@@ -187,7 +279,7 @@ struct CopyEngine::Lane {
   std::deque<std::pair<Job, std::exception_ptr>> inflight;
   bool stop = false;
   bool inflight_closed = false;
-  void* bounce[2] = {nullptr, nullptr};
+  char* bounce[2] = {nullptr, nullptr};
   Event bounce_free[2] = {nullptr, nullptr};
   bool bounce_recorded[2] = {false, false};  // an event never recorded must not be waited on (ACL)
   std::thread issuer, completer;
@@ -217,26 +309,39 @@ CopyEngine::Lane& CopyEngine::lane_for(CopyKind kind) const {
 
 Stream CopyEngine::stream(CopyKind kind) const { return lane_for(kind).stream; }
 
-std::shared_ptr<Ticket> CopyEngine::submit(CopyKind kind, uint64_t bytes, Stream after,
+bool CopyEngine::aligned(const void* p) const {
+  size_t a = rt_->copy_alignment();
+  return a <= 1 || reinterpret_cast<uintptr_t>(p) % a == 0;
+}
+
+bool CopyEngine::direct_host(const void* p, size_t n) const {
+  if (rt_->device_is_host() && !options_.force_bounce) return true;
+  if (options_.force_bounce && rt_->device_is_host()) return PinnedPool::is_pinned(p, n);
+  return aligned(p) && (PinnedPool::is_pinned(p, n) || rt_->host_is_pinned(p, n));
+}
+
+std::shared_ptr<Ticket> CopyEngine::submit(CopyKind kind, uint64_t bytes, const After& after,
                                            std::function<void(Lane&)> issue) {
   Lane& lane = lane_for(kind);
-  Event event = rt_->event_create(false);
   Event after_event = nullptr;
-  if (after != nullptr) {
+  if (after.has_value()) {
+    // On the engine's device: the caller's stream belongs to it, and an event recorded on a stream of
+    // another device fails (CUDA and ACL alike).
+    DeviceGuard guard(*rt_, options_.device);
+    after_event = rt_->event_create(kEventDefault);
     try {
-      after_event = rt_->event_create(false);
-      rt_->event_record(after_event, after);  // captures the caller's work enqueued so far
+      rt_->event_record(after_event, *after);  // captures the caller's work enqueued so far
     } catch (...) {
-      if (after_event != nullptr) rt_->event_destroy(after_event);
-      rt_->event_destroy(event);
+      rt_->event_destroy(after_event);
       throw;
     }
   }
   std::shared_ptr<Ticket> ticket;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ticket.reset(new Ticket(rt_, id_, next_ticket_++, bytes, event));
+    ticket.reset(new Ticket(rt_, id_, next_ticket_++, bytes));
     ++stats_.submitted;
+    if (after.has_value()) ++stats_.ordered;
     (kind == CopyKind::kHostToDevice   ? stats_.bytes_h2d
      : kind == CopyKind::kDeviceToHost ? stats_.bytes_d2h
                                        : stats_.bytes_other) += bytes;
@@ -261,39 +366,38 @@ void CopyEngine::finish(Ticket& ticket, std::exception_ptr error) {
   idle_cv_.notify_all();
 }
 
-std::shared_ptr<Ticket> CopyEngine::copy(void* dst, const void* src, size_t nbytes, CopyKind kind, Stream after) {
+std::shared_ptr<Ticket> CopyEngine::copy(void* dst, const void* src, size_t nbytes, CopyKind kind, After after) {
   MSRL_CHECK(dst != nullptr || nbytes == 0, kInvalidArgument, "copy destination is a null pointer");
   MSRL_CHECK(src != nullptr || nbytes == 0, kInvalidArgument, "copy source is a null pointer");
   MSRL_CHECK(nbytes < (uint64_t{1} << 48), kInvalidArgument, "copy size ", nbytes, " is negative or too large");
   auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
   MSRL_CHECK(nbytes == 0 || d + nbytes <= s || s + nbytes <= d, kInvalidArgument, "source ", src, " and destination ",
              dst, " overlap within ", nbytes, " bytes");
-  bool host_device = !rt_->device_is_host() || options_.force_bounce;
-  bool bounce_in = host_device && kind == CopyKind::kHostToDevice && !PinnedPool::is_pinned(src, nbytes);
-  bool bounce_out = host_device && kind == CopyKind::kDeviceToHost && !PinnedPool::is_pinned(dst, nbytes);
-  if (bounce_in || bounce_out) {
+  bool staged = nbytes > 0 && ((kind == CopyKind::kHostToDevice && !direct_host(src, nbytes)) ||
+                               (kind == CopyKind::kDeviceToHost && !direct_host(dst, nbytes)));
+  if (staged) {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.bounced_bytes += nbytes;
   }
   auto* dstc = static_cast<char*>(dst);
   auto* srcc = static_cast<const char*>(src);
-  return submit(kind, nbytes, after, [this, dstc, srcc, nbytes, kind, bounce_in, bounce_out](Lane& lane) {
+  return submit(kind, nbytes, after, [this, dstc, srcc, nbytes, kind, staged](Lane& lane) {
     if (nbytes == 0) return;
-    if (bounce_in) {
-      copy_bounced_h2d(lane, dstc, srcc, nbytes);
-    } else if (bounce_out) {
-      copy_bounced_d2h(lane, dstc, srcc, nbytes);
-    } else {
+    if (!staged) {
       rt_->memcpy_async(dstc, srcc, nbytes, kind, lane.stream);
+      return;
     }
+    std::vector<Piece> pieces;
+    split_piece(pieces, {dstc, srcc, 1, nbytes, nbytes, nbytes}, options_.chunk_bytes);
+    kind == CopyKind::kHostToDevice ? copy_staged_h2d(lane, pieces) : copy_staged_d2h(lane, pieces);
   });
 }
 
-std::shared_ptr<Ticket> CopyEngine::copy_batch(std::vector<CopyRegion> regions, CopyKind kind, Stream after) {
-  bool host_device = !rt_->device_is_host() || options_.force_bounce;
-  std::vector<CopyRegion> direct, bounced;
+std::shared_ptr<Ticket> CopyEngine::copy_batch(std::vector<CopyRegion> regions, CopyKind kind, After after) {
+  std::vector<CopyRegion> direct;
+  std::vector<Piece> staged;
   std::vector<std::pair<uintptr_t, uintptr_t>> dst_spans;
-  uint64_t total = 0, staged = 0;
+  uint64_t total = 0, staged_bytes = 0;
   for (size_t i = 0; i < regions.size(); ++i) {
     const CopyRegion& r = regions[i];
     if (r.nbytes == 0) continue;
@@ -305,37 +409,35 @@ std::shared_ptr<Ticket> CopyEngine::copy_batch(std::vector<CopyRegion> regions, 
     MSRL_CHECK(d + r.nbytes <= s || s + r.nbytes <= d, kInvalidArgument, "region ", i, ": source ", r.src,
                " and destination ", r.dst, " overlap within ", r.nbytes, " bytes");
     dst_spans.push_back({d, d + r.nbytes});
-    bool bounce = host_device && ((kind == CopyKind::kHostToDevice && !PinnedPool::is_pinned(r.src, r.nbytes)) ||
-                                  (kind == CopyKind::kDeviceToHost && !PinnedPool::is_pinned(r.dst, r.nbytes)));
-    (bounce ? bounced : direct).push_back(r);
+    bool stage = (kind == CopyKind::kHostToDevice && !direct_host(r.src, r.nbytes)) ||
+                 (kind == CopyKind::kDeviceToHost && !direct_host(r.dst, r.nbytes));
+    if (stage) {
+      split_piece(staged, {static_cast<char*>(r.dst), static_cast<const char*>(r.src), 1, r.nbytes, r.nbytes, r.nbytes},
+                  options_.chunk_bytes);
+      staged_bytes += r.nbytes;
+    } else {
+      direct.push_back(r);
+    }
     total += r.nbytes;
-    if (bounce) staged += r.nbytes;
   }
   std::sort(dst_spans.begin(), dst_spans.end());
   for (size_t k = 1; k < dst_spans.size(); ++k) {
     MSRL_CHECK(dst_spans[k].first >= dst_spans[k - 1].second, kInvalidArgument,
                "two regions write overlapping destination bytes at 0x", std::hex, dst_spans[k].first);
   }
-  if (staged > 0) {
+  if (staged_bytes > 0) {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.bounced_bytes += staged;
+    stats_.bounced_bytes += staged_bytes;
   }
-  return submit(kind, total, after, [this, kind, direct = std::move(direct), bounced = std::move(bounced)](Lane& lane) {
+  return submit(kind, total, after, [this, kind, direct = std::move(direct), staged = std::move(staged)](Lane& lane) {
     if (!direct.empty()) rt_->memcpy_batch_async(direct.data(), direct.size(), kind, lane.stream);
-    for (const CopyRegion& r : bounced) {
-      auto* dst = static_cast<char*>(r.dst);
-      auto* src = static_cast<const char*>(r.src);
-      if (kind == CopyKind::kHostToDevice) {
-        copy_bounced_h2d(lane, dst, src, r.nbytes);
-      } else {
-        copy_bounced_d2h(lane, dst, src, r.nbytes);
-      }
-    }
+    if (staged.empty()) return;
+    kind == CopyKind::kHostToDevice ? copy_staged_h2d(lane, staged) : copy_staged_d2h(lane, staged);
   });
 }
 
 std::shared_ptr<Ticket> CopyEngine::execute(std::shared_ptr<const CopyPlan> plan, void* dst, size_t dst_bytes,
-                                            const void* src, size_t src_bytes, CopyKind kind, Stream after) {
+                                            const void* src, size_t src_bytes, CopyKind kind, After after) {
   MSRL_CHECK(plan != nullptr, kInvalidArgument, "plan is null");
   MSRL_CHECK(dst != nullptr, kInvalidArgument, "plan destination is a null pointer");
   MSRL_CHECK(src != nullptr, kInvalidArgument, "plan source is a null pointer");
@@ -345,47 +447,110 @@ std::shared_ptr<Ticket> CopyEngine::execute(std::shared_ptr<const CopyPlan> plan
              " and destination ", dst, "+", dst_bytes, " overlap");
   auto* dstc = static_cast<char*>(dst);
   auto* srcc = static_cast<const char*>(src);
-  return submit(kind, plan->bytes(), after, [this, plan, dstc, srcc, kind](Lane& lane) {
+  // The host side of a host<->device plan must be pinned and at addresses the runtime can copy (every
+  // descriptor's rows), else every descriptor is staged through the bounce buffers.
+  bool staged = false;
+  if (kind == CopyKind::kHostToDevice || kind == CopyKind::kDeviceToHost) {
+    bool h2d = kind == CopyKind::kHostToDevice;
+    const char* host = h2d ? srcc : dstc;
+    staged = !direct_host(host, h2d ? src_bytes : dst_bytes);
+    for (size_t i = 0; !staged && rt_->copy_alignment() > 1 && i < plan->descriptors().size(); ++i) {
+      const auto& dd = plan->descriptors()[i];
+      uint64_t off = h2d ? dd.src_offset : dd.dst_offset, pitch = h2d ? dd.src_pitch : dd.dst_pitch;
+      staged = !aligned(host + off) || (dd.rows > 1 && pitch % rt_->copy_alignment() != 0);
+    }
+  }
+  if (staged) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bounced_bytes += plan->bytes();
+  }
+  return submit(kind, plan->bytes(), after, [this, plan, dstc, srcc, kind, staged](Lane& lane) {
     const auto& descs = plan->descriptors();
-    rt_->plan_async(descs.data(), descs.size(), dstc, srcc, kind, lane.stream);
+    if (!staged) {
+      rt_->plan_async(descs.data(), descs.size(), dstc, srcc, kind, lane.stream);
+      return;
+    }
+    std::vector<Piece> pieces;
+    for (const auto& dd : descs) {
+      split_piece(pieces,
+                  {dstc + dd.dst_offset, srcc + dd.src_offset, dd.rows, dd.row_bytes, dd.src_pitch, dd.dst_pitch},
+                  options_.chunk_bytes);
+    }
+    kind == CopyKind::kHostToDevice ? copy_staged_h2d(lane, pieces) : copy_staged_d2h(lane, pieces);
   });
 }
 
-// Pageable → device: the CPU stages chunk i+1 into one pinned buffer while the DMA engine drains chunk i
-// from the other.
-void CopyEngine::copy_bounced_h2d(Lane& lane, char* dst, const char* src, size_t nbytes) {
+// One device copy of a piece between its device side and its packed image in a bounce buffer.
+void CopyEngine::issue_piece(Lane& lane, const Piece& p, char* dst, const char* src, CopyKind kind) {
+  bool h2d = kind == CopyKind::kHostToDevice;
+  if (p.rows == 1) {
+    rt_->memcpy_async(dst, src, p.row_bytes, kind, lane.stream);
+  } else {
+    rt_->memcpy2d_async(dst, h2d ? p.dst_pitch : p.row_bytes, src, h2d ? p.row_bytes : p.src_pitch, p.row_bytes, p.rows,
+                        kind, lane.stream);
+  }
+}
+
+// Host -> device: the CPU packs batch i+1 into one pinned buffer while the DMA engine drains batch i from
+// the other.
+void CopyEngine::copy_staged_h2d(Lane& lane, const std::vector<Piece>& pieces) {
   size_t chunk = options_.chunk_bytes;
   lane.ensure_bounce(chunk);
-  for (size_t off = 0, i = 0; off < nbytes; off += chunk, ++i) {
-    size_t len = std::min(chunk, nbytes - off);
+  auto batches = pack(pieces, chunk, std::max<size_t>(64, rt_->copy_alignment()));
+  for (size_t i = 0; i < batches.size(); ++i) {
     int b = static_cast<int>(i % 2);
+    const Batch& batch = batches[i];
     // The buffer's previous DMA (of this copy or an earlier one on the lane) must be done.
     if (lane.bounce_recorded[b]) rt_->event_synchronize(lane.bounce_free[b]);
-    parallel_memcpy(lane.bounce[b], src + off, len);
-    rt_->memcpy_async(dst + off, lane.bounce[b], len, CopyKind::kHostToDevice, lane.stream);
+    for (size_t k = 0; k < batch.count; ++k) {
+      const Piece& p = pieces[batch.first + k];
+      char* img = lane.bounce[b] + batch.offsets[k];
+      if (p.rows == 1) {
+        parallel_memcpy(img, p.src, p.row_bytes);
+      } else {
+        for (uint64_t r = 0; r < p.rows; ++r) std::memcpy(img + r * p.row_bytes, p.src + r * p.src_pitch, p.row_bytes);
+      }
+    }
+    for (size_t k = 0; k < batch.count; ++k) {
+      const Piece& p = pieces[batch.first + k];
+      issue_piece(lane, p, p.dst, lane.bounce[b] + batch.offsets[k], CopyKind::kHostToDevice);
+    }
     rt_->event_record(lane.bounce_free[b], lane.stream);
     lane.bounce_recorded[b] = true;
   }
 }
 
-// Device → pageable: DMA of chunk i+1 into one pinned buffer overlaps the CPU draining chunk i.
-void CopyEngine::copy_bounced_d2h(Lane& lane, char* dst, const char* src, size_t nbytes) {
+// Device -> host: the DMA of batch i+1 into one pinned buffer overlaps the CPU unpacking batch i.
+void CopyEngine::copy_staged_d2h(Lane& lane, const std::vector<Piece>& pieces) {
   size_t chunk = options_.chunk_bytes;
   lane.ensure_bounce(chunk);
-  size_t chunks = (nbytes + chunk - 1) / chunk;
+  auto batches = pack(pieces, chunk, std::max<size_t>(64, rt_->copy_alignment()));
   auto issue = [&](size_t i) {
-    size_t off = i * chunk, len = std::min(chunk, nbytes - off);
     int b = static_cast<int>(i % 2);
-    rt_->memcpy_async(lane.bounce[b], src + off, len, CopyKind::kDeviceToHost, lane.stream);
+    const Batch& batch = batches[i];
+    for (size_t k = 0; k < batch.count; ++k) {
+      const Piece& p = pieces[batch.first + k];
+      issue_piece(lane, p, lane.bounce[b] + batch.offsets[k], p.src, CopyKind::kDeviceToHost);
+    }
     rt_->event_record(lane.bounce_free[b], lane.stream);
+    lane.bounce_recorded[b] = true;
   };
+  if (batches.empty()) return;
   issue(0);
-  for (size_t i = 0; i < chunks; ++i) {
-    if (i + 1 < chunks) issue(i + 1);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    if (i + 1 < batches.size()) issue(i + 1);
     int b = static_cast<int>(i % 2);
     rt_->event_synchronize(lane.bounce_free[b]);
-    size_t off = i * chunk, len = std::min(chunk, nbytes - off);
-    parallel_memcpy(dst + off, lane.bounce[b], len);
+    const Batch& batch = batches[i];
+    for (size_t k = 0; k < batch.count; ++k) {
+      const Piece& p = pieces[batch.first + k];
+      const char* img = lane.bounce[b] + batch.offsets[k];
+      if (p.rows == 1) {
+        parallel_memcpy(p.dst, img, p.row_bytes);
+      } else {
+        for (uint64_t r = 0; r < p.rows; ++r) std::memcpy(p.dst + r * p.dst_pitch, img + r * p.row_bytes, p.row_bytes);
+      }
+    }
   }
 }
 
@@ -412,8 +577,8 @@ void CopyEngine::order_stream(const Ticket& ticket, Stream stream, double timeou
   if (!ticket.cv_.wait_until(lock, deadline, [&] { return ticket.done_ || ticket.issued_; })) {
     MSRL_THROW(kTimeout, "copy ticket ", ticket.id_, " was not issued within ", timeout_seconds, " s");
   }
-  if (ticket.done_) return;
-  lock.unlock();
+  if (ticket.done_ || ticket.event_ == nullptr) return;
+  // Under the ticket's lock: the lane destroys the event (once the copy is done) only under it.
   rt_->stream_wait_event(stream, ticket.event_);
 }
 

@@ -11,7 +11,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include "copy/copy_plan.h"
 #include "runtime/device_runtime.h"
@@ -32,12 +34,14 @@ class Ticket {
 
  private:
   friend class CopyEngine;
-  Ticket(std::shared_ptr<DeviceRuntime> rt, uint64_t engine_id, uint64_t id, uint64_t bytes, Event event);
+  Ticket(std::shared_ptr<DeviceRuntime> rt, uint64_t engine_id, uint64_t id, uint64_t bytes);
   std::shared_ptr<DeviceRuntime> rt_;
   uint64_t engine_id_;
   uint64_t id_;
   uint64_t bytes_;
-  Event event_;  // recorded after the copy on the engine stream
+  // Made on the lane's issuing thread (the engine's device, a thread with a context) and recorded after the
+  // copy on the lane stream; destroyed by the lane once the copy completed. Guarded by mu_.
+  Event event_ = nullptr;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool issued_ = false;  // event_ recorded on the engine stream
@@ -53,6 +57,7 @@ struct EngineOptions {
 };
 
 struct EngineStats {
+  uint64_t ordered = 0;  // jobs ordered after a caller stream (`after`)
   uint64_t submitted = 0;
   uint64_t completed = 0;
   uint64_t failed = 0;
@@ -67,17 +72,24 @@ class CopyEngine {
   CopyEngine(const CopyEngine&) = delete;
   CopyEngine& operator=(const CopyEngine&) = delete;
 
-  // Copies nbytes. `after`, when not null, is a caller stream: the copy starts only after work already
-  // enqueued there. Pinnedness of host pointers is looked up in PinnedPool::is_pinned.
-  std::shared_ptr<Ticket> copy(void* dst, const void* src, size_t nbytes, CopyKind kind, Stream after = nullptr);
+  // `after`, when given, is a caller stream: the copy starts only after the work already enqueued there. A
+  // null handle is the default stream (torch's default CUDA stream has handle 0: the legacy stream, which
+  // the engine's non-blocking streams do not synchronise with by themselves). std::nullopt: no ordering.
+  using After = std::optional<Stream>;
+
+  // Copies nbytes. Host memory that is neither pinned (PinnedPool::is_pinned, or the runtime's own
+  // knowledge: torch's pin_memory()) nor at an address the runtime can copy from (copy_alignment) goes
+  // through the pinned bounce buffers.
+  std::shared_ptr<Ticket> copy(void* dst, const void* src, size_t nbytes, CopyKind kind, After after = std::nullopt);
   // Copies every region as one job with one ticket: fewer runtime calls and one completion to wait for
   // when moving many buffers (a model's parameters). Regions needing staging are bounced one by one.
   // Throws InvalidArgument for a null pointer, a region whose source and destination overlap, or two
   // regions whose destinations overlap; nothing is submitted then.
-  std::shared_ptr<Ticket> copy_batch(std::vector<CopyRegion> regions, CopyKind kind, Stream after = nullptr);
-  // Runs a plan from src to dst (both ends bounds-checked against the plan's extents).
+  std::shared_ptr<Ticket> copy_batch(std::vector<CopyRegion> regions, CopyKind kind, After after = std::nullopt);
+  // Runs a plan from src to dst (both ends bounds-checked against the plan's extents). Host memory that
+  // needs staging (as in copy) is gathered into / scattered from the bounce buffers descriptor by descriptor.
   std::shared_ptr<Ticket> execute(std::shared_ptr<const CopyPlan> plan, void* dst, size_t dst_bytes, const void* src,
-                                  size_t src_bytes, CopyKind kind, Stream after = nullptr);
+                                  size_t src_bytes, CopyKind kind, After after = std::nullopt);
 
   // Waits for the ticket; rethrows its error. Throws InvalidArgument for another engine's ticket,
   // Timeout past the deadline (the copy goes on).
@@ -91,13 +103,26 @@ class CopyEngine {
   Stream stream(CopyKind kind) const;
   EngineStats stats() const;
   DeviceRuntime& runtime() const { return *rt_; }
+  int device() const { return options_.device; }
+
+  // One strided piece of a staged copy: `rows` rows of `row_bytes` at dst and src, with their pitches.
+  struct Piece {
+    char* dst;
+    const char* src;
+    uint64_t rows, row_bytes, src_pitch, dst_pitch;
+    uint64_t bytes() const { return rows * row_bytes; }
+  };
 
  private:
   struct Lane;
   Lane& lane_for(CopyKind kind) const;
-  std::shared_ptr<Ticket> submit(CopyKind kind, uint64_t bytes, Stream after, std::function<void(Lane&)> issue);
-  void copy_bounced_h2d(Lane& lane, char* dst, const char* src, size_t nbytes);
-  void copy_bounced_d2h(Lane& lane, char* dst, const char* src, size_t nbytes);
+  std::shared_ptr<Ticket> submit(CopyKind kind, uint64_t bytes, const After& after, std::function<void(Lane&)> issue);
+  // Host memory at [p, p+n) can be the host side of a device copy as it is (no staging).
+  bool direct_host(const void* p, size_t n) const;
+  bool aligned(const void* p) const;
+  void copy_staged_h2d(Lane& lane, const std::vector<Piece>& pieces);
+  void copy_staged_d2h(Lane& lane, const std::vector<Piece>& pieces);
+  void issue_piece(Lane& lane, const Piece& p, char* dst, const char* src, CopyKind kind);
   void finish(Ticket& ticket, std::exception_ptr error);
 
   std::shared_ptr<DeviceRuntime> rt_;
