@@ -451,5 +451,41 @@ TEST(RuntimeDiscovery, AFailedLoadIsTriedAgain) {
   EXPECT_NE(text.find("[  PASSED  ] 1 test"), std::string::npos) << text;
 }
 
+// ---------------------------------------------------------- defect 2: honest bandwidth baselines
+
+// msrl_bandwidth on the fake libcudart whose copies take 16 ns per byte (17 ms per MiB) on their stream after
+// the call returned (a GPU's DMA): a baseline that times only the enqueue reads ~1000x faster than the
+// engine (ratio ~0.001); one that waits for its copy reads about the same (the bounds leave room for a
+// loaded machine's thread wake-ups). Each direction is compared with a baseline of its own direction.
+TEST(BandwidthBench, BaselinesTimeCompletedCopiesOfTheSameDirection) {
+  std::string cmd = std::string("MSRL_CUDART_PATH=") + MSRL_FAKE_CUDART + " FAKE_DEVICE_NS_PER_BYTE=16 " +
+                    MSRL_BANDWIDTH_BIN + " --device cuda --only _pinned --bytes 1048576 --reps 3 --json 2>&1";
+  FILE* out = popen(cmd.c_str(), "r");
+  ASSERT_NE(out, nullptr);
+  std::string text;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, out) != nullptr) text += buf;
+  ASSERT_EQ(pclose(out), 0) << text;
+  auto field = [&](const std::string& line, const std::string& key) {
+    auto at = line.find("\"" + key + "\": ");
+    if (at == std::string::npos) return std::string();
+    auto begin = at + key.size() + 4;
+    auto end = line.find_first_of(",}", begin);
+    std::string v = line.substr(begin, end - begin);
+    if (!v.empty() && v.front() == '"') v = v.substr(1, v.size() - 2);
+    return v;
+  };
+  for (std::string name : {"h2d_pinned", "d2h_pinned"}) {
+    auto at = text.find("\"case\": \"" + name + "\"");
+    ASSERT_NE(at, std::string::npos) << name << " missing from:\n" << text;
+    std::string line = text.substr(at, text.find('\n', at) - at);
+    double ratio = std::atof(field(line, "ratio").c_str());
+    EXPECT_GT(ratio, 0.25) << line;
+    EXPECT_LT(ratio, 4.0) << line;
+    EXPECT_NE(field(line, "baseline").find(name.substr(0, 3)), std::string::npos)
+        << name << " is compared with a baseline of another direction: " << line;
+  }
+}
+
 }  // namespace
 }  // namespace msrl
