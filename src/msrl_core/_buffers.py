@@ -21,6 +21,7 @@ class Region:
     on_device: bool  # device memory of the selected runtime (host memory on the host backend)
     pinned: bool
     owner: Any  # keeps the memory alive while the region is in use
+    read_only: bool = False  # a read-only numpy array: never a copy's destination, registered read-only
 
 
 def _torch_region(t: Any, name: str, writable: bool) -> Region:
@@ -62,4 +63,5 @@ def region(obj: Any, name: str = "buffer", writable: bool = False) -> Region:
     if writable and not arr.flags.writeable:
         raise InvalidArgument(f"{name}: numpy array is read-only and cannot be a destination")
     ptr = arr.__array_interface__["data"][0]
-    return Region(ptr, arr.nbytes, False, _core.PinnedPool.is_pinned(ptr, arr.nbytes) if ptr else False, arr)
+    pinned = _core.PinnedPool.is_pinned(ptr, arr.nbytes) if ptr else False
+    return Region(ptr, arr.nbytes, False, pinned, arr, read_only=not arr.flags.writeable)

@@ -52,7 +52,10 @@ def _kind(src: Region, dst: Region, kind: str | None) -> str:
 
 
 def _stream_arg(stream: Any) -> Any:
-    """Accept None, a msrl_core Stream, an int handle, or a torch stream object."""
+    """Accept None, a msrl_core Stream, an int handle, or a torch stream object.
+
+    A stream given is kept even when its handle is 0: torch's default CUDA stream has handle 0 (the legacy
+    default stream), and ``after=`` it must still order the copy (None alone means "no ordering")."""
     if stream is None or isinstance(stream, (int, _core.Stream)):
         return stream
     for attr in ("cuda_stream", "npu_stream"):
@@ -61,6 +64,18 @@ def _stream_arg(stream: Any) -> Any:
     raise InvalidArgument(
         f"stream: expected None, an int handle or a stream object, got {type(stream).__name__}"
     )
+
+
+def current_stream(device: Any) -> Any:
+    """The caller's current torch stream on accelerator ``device`` (CUDA / Ascend) — what ``after=`` should
+    name for a copy of tensors that kernels produced or will use — or None for a CPU device."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device)
+    if device.type == "npu":  # pragma: no cover - torch_npu
+        return torch.npu.current_stream(device)  # type: ignore[attr-defined]
+    return None
 
 
 def _current_device_index(backend: str) -> int:
@@ -82,7 +97,9 @@ class CopyEngine:
 
     ``copy`` and ``execute`` return a :class:`Ticket`; ``ticket.wait(timeout)`` raises
     :class:`msrl_core.errors.Timeout` past the deadline. ``after=stream`` orders the copy after work
-    already enqueued on the caller's stream; ``order_stream(ticket, stream)`` does the reverse.
+    already enqueued on the caller's stream (torch's default stream included); ``order_stream(ticket,
+    stream)`` does the reverse. The engine works on the caller's current device (torch's
+    ``current_device()`` when the engine is made, or ``device_index``): on rank r of a node, device r.
 
     >>> import numpy as np
     >>> engine = CopyEngine()
@@ -93,11 +110,23 @@ class CopyEngine:
     """
 
     def __init__(
-        self, device: str | None = None, chunk_bytes: int = 8 << 20, force_bounce: bool = False
+        self,
+        device: str | None = None,
+        chunk_bytes: int = 8 << 20,
+        force_bounce: bool = False,
+        device_index: int | None = None,
     ) -> None:
         self.runtime = get_runtime(device)
-        self._engine = _core.CopyEngine(self.runtime, chunk_bytes, force_bounce)
+        index = _current_device_index(self.runtime.name) if device_index is None else int(device_index)
+        if index < 0:
+            raise InvalidArgument(f"device_index must be >= 0, got {index}")
+        self._engine = _core.CopyEngine(self.runtime, chunk_bytes, force_bounce, index)
         self._keep: deque[tuple[Any, ...]] = deque()
+
+    @property
+    def device(self) -> int:
+        """The device index the engine's streams and events belong to."""
+        return int(self._engine.device)
 
     def copy(
         self, dst: Any, src: Any, nbytes: int | None = None, kind: str | None = None, after: Any = None

@@ -33,13 +33,17 @@ class PinnedPool:
         return self._pool.allocate(nbytes)
 
     def register(self, obj: Any) -> Registration:
-        """Pin ``obj``'s memory in place (a contiguous numpy array or CPU tensor) until ``release()``."""
+        """Pin ``obj``'s memory in place (a contiguous numpy array or CPU tensor) until ``release()``.
+
+        A read-only numpy array (``np.load(..., mmap_mode="r")``, ``np.frombuffer`` of bytes) is registered
+        read-only (CUDA's ``cudaHostRegisterReadOnly``): its pages may be mapped read-only, which a plain
+        registration refuses. Copies may read it, never write it."""
         r = region(obj, "register")
         if r.on_device:
             raise InvalidArgument("register: only host memory can be pinned; got device memory")
         if r.nbytes == 0:
             raise InvalidArgument("register: buffer is empty (0 bytes)")
-        reg = self._pool.register(r.ptr, r.nbytes)
+        reg = self._pool.register(r.ptr, r.nbytes, r.read_only)
         reg.owner = r.owner  # the memory must outlive its registration
         return reg
 

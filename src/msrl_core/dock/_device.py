@@ -6,6 +6,10 @@ with ``device=`` allocates the tensor on that device and copies host->device wit
 sources go through the engine's pinned bounce buffers). One engine and one pool per process, made on
 first use. The engine uses the process's runtime (``MSRL_DEVICE`` or auto) and its current device; a
 padded fetch's small bool mask is moved with torch's ``.to(device)``.
+
+Every copy is ordered after the caller's current stream on the tensor's device (``after=``): a put of a
+tensor that a kernel (or the ``.contiguous()`` copy here) has just produced reads it only once that work
+is done, and a fetch writes a freshly allocated tensor only after the work that used its memory before.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.copy import current_stream
 from msrl_core.errors import InvalidArgument
 
 _WAIT_S = 60.0
@@ -41,7 +46,7 @@ class DeviceIO:
         if nbytes == 0:
             return np.empty(0, np.uint8)
         buf = self.pool.allocate(nbytes)
-        self.engine.copy(buf, t).wait(_WAIT_S)
+        self.engine.copy(buf, t, after=current_stream(t.device)).wait(_WAIT_S)
         return np.frombuffer(memoryview(buf), dtype=np.uint8, count=nbytes)
 
     def to_device(self, t: Any, device: Any) -> Any:
@@ -50,7 +55,7 @@ class DeviceIO:
 
         out = torch.empty(t.shape, dtype=t.dtype, device=device)
         if t.numel():
-            self.engine.copy(out, t.contiguous()).wait(_WAIT_S)
+            self.engine.copy(out, t.contiguous(), after=current_stream(out.device)).wait(_WAIT_S)
         return out
 
 
