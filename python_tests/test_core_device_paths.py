@@ -121,6 +121,25 @@ def test_the_switch_orders_every_copy_after_the_callers_stream(default_stream_ev
     assert streamed.afters and all(after == 0 for _, after in streamed.afters), streamed.afters
 
 
+def test_a_failed_swap_out_restores_after_the_callers_stream(default_stream_everywhere):
+    """The restore path re-materialises freed storages (fresh caching-allocator blocks on a GPU) and copies
+    into them: ordered like swap-in."""
+    from msrl_core.reshard import Parallel, ReshardError, allgather_swap, to_hf
+    from reshard_util import CONFIGS, random_shards
+
+    plan = to_hf(CONFIGS["qwen2_gqa_bias"], Parallel(tp=1))
+    params = {
+        k: torch.nn.Parameter(v, requires_grad=False) for k, v in random_shards(plan, 0)[(0, 0, 0)].items()
+    }
+    flat, _ = plan.allocate_inference()
+    params[list(params)[4]].numpy()  # its storage cannot be resized: freeing it fails after four were freed
+    rec = _Recording()
+    with pytest.raises(ReshardError, match="restored"):
+        allgather_swap(params, flat, plan, {}, bucket_bytes=16 << 10, infer_rank=0, engine=rec)
+    restores = [a for w, a in rec.afters if w == "copy_many"][1:]  # after the swap-out's own batch
+    assert restores and all(after == 0 for after in restores), rec.afters
+
+
 def test_read_only_arrays_are_registered_read_only(tmp_path):
     path = tmp_path / "weights.bin"
     np.arange(4096, dtype=np.uint8).tofile(path)

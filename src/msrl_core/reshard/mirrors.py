@@ -119,8 +119,8 @@ class HostMirrors:
                 s.storage.resize_(0)
                 done.append(s)
         except Exception as e:
-            if done:
-                self.copy_in(done, engine, None).wait(deadline.left())
+            if done:  # into re-materialised storages: ordered after `stream` like any swap-in
+                self.copy_in(done, engine, stream).wait(deadline.left())
             raise ReshardError(
                 f"swap-out failed at {what} {at!r}: {type(e).__name__}: {e}; {what}s restored"
             ) from e

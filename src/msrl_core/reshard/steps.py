@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from msrl_core.copy import current_stream  # noqa: F401  (the caller's stream for after=; used by the switch)
+
 from .errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
 from .plan import Bucket, ReshardPlan
 from .spec import canonical_megatron_name
@@ -33,17 +35,6 @@ def group_rank(g) -> int:
     import torch.distributed as dist
 
     return 0 if g is None else dist.get_rank(group=g)
-
-
-def current_stream(device) -> Any:
-    """The caller's current stream on ``device`` (CUDA / Ascend), None on the CPU."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device)
-    if device.type == "npu":  # pragma: no cover - torch_npu
-        return torch.npu.current_stream(device)  # type: ignore[attr-defined]
-    return None
 
 
 def bytes_view(storage, device):

@@ -529,8 +529,8 @@ class Switcher(EngineAndPool):
             return
         if local_error is not None:
             raise local_error
-        if swap:
-            self._copy_in(storages, engine, None).wait(prep.deadline.left())
+        if swap:  # into re-materialised storages: after the work queued on the caller's stream (GPU)
+            self._copy_in(storages, engine, current_stream(prep.device)).wait(prep.deadline.left())
         raise SwitchAborted(
             "allgather_swap: another rank of the training groups failed its verify or swap-out (see its "
             "error); the training weights are restored here"
