@@ -7,9 +7,13 @@ TP_i 1 (vLLM layout). Prints one JSON line per case:
   host buffer (``copy_(non_blocking=True)`` + synchronize; on the CPU a plain ``copy_``);
 - ``measured_peak``: ``measure=True`` (CUDA: ``max_memory_allocated``) vs shard + inference + one bucket;
 - ``pipelined_vs_not``: the reshard with and without overlap, interleaved, medians;
-- ``stream_buckets``: streaming into preallocated engine weights, measured peak vs gather + output scratch.
+- ``stream_buckets``: streaming into preallocated engine weights, measured peak vs gather + output scratch;
+- ``switch_verified`` (``--verify``): one ``switch(..., verify=True)``: the inference buffer checked against
+  the reference reshard, the training weights against their CRCs after the swap back;
+- ``switch_vs_naive``: the switch (no swap) vs ``naive_reshard`` (torch gathers + slicing per parameter, the
+  torch baseline), interleaved, medians.
 
-    python bench/reshard_gpu_check.py [--device cuda] [--layers 10] [--reps 5] [--bucket-mib 16]
+    python bench/reshard_gpu_check.py [--device cuda] [--layers 10] [--reps 5] [--bucket-mib 16] [--verify]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bucket-mib", type=int, default=16)
+    ap.add_argument("--verify", action="store_true", help="one switch with verify=True")
     args = ap.parse_args()
     import torch
 
@@ -41,6 +46,7 @@ def main() -> None:
         Parallel,
         Switcher,
         megatron_to_vllm,
+        naive_reshard,
         reference,
         spec,
         stream_buckets,
@@ -112,6 +118,34 @@ def main() -> None:
         bound_bytes=t.train_bytes + t.infer_bytes + t.scratch_bytes,
         mirror_bytes=t.mirror_bytes,
         within_bound=t.measured_peak_bytes <= t.train_bytes + t.infer_bytes + t.scratch_bytes + (4 << 10),
+    )
+
+    if args.verify:  # inference buffer vs the reference reshard; training weights vs CRCs after the swap back
+        s = sw.switch(params, flat, {}, bucket, verify=True)
+        s.swap_back().wait()
+        emit(
+            case="switch_verified",
+            verified_infer=bool(s.telemetry.verified_infer),
+            training_intact=all(torch.equal(params[n].cpu(), snap[n]) for n in snap),
+        )
+
+    # the switch vs the naive per-parameter path (the torch baseline), interleaved
+    ours, naive = [], []
+    for _ in range(args.reps):
+        for fn, acc in (
+            (lambda: sw.switch(params, flat, {}, bucket, swap=False), ours),
+            (lambda: naive_reshard(params, plan, {}, 0), naive),
+        ):
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            acc.append(time.perf_counter() - t0)
+    emit(
+        case="switch_vs_naive",
+        seconds=statistics.median(ours),
+        naive_seconds=statistics.median(naive),
+        ratio=statistics.median(naive) / statistics.median(ours),
     )
 
     # pipelined vs not, interleaved
