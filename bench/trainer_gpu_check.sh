@@ -25,13 +25,15 @@ PY
 device=${MSRL_CHECK_DEVICE:-cuda}  # MSRL_CHECK_DEVICE=cpu: a dry run of this script on a CPU machine
 rollout=hf
 $PY -c "import vllm" 2>/dev/null && rollout=vllm
-common=(trainer.device=$device rollout.engine=$rollout trainer.steps=3 trainer.val_every=0 trainer.save_every=0
+steps=${MSRL_CHECK_STEPS:-3}          # bench/device_check.sh runs 2 per engine
+engine_timeout=${MSRL_CHECK_ENGINE_TIMEOUT:-130}
+common=(trainer.device=$device rollout.engine=$rollout trainer.steps=$steps trainer.val_every=0 trainer.save_every=0
         demo.warmup_steps=5 data.global_batch_size=8 rollout.n=4 actor.ppo_mini_batch_size=8 actor.micro_batch_size=16 --no-progress)
 status=0
 for engine in megatron hf; do
   run="$out/run_$engine"
   echo "== actor.engine=$engine actor.tp=1 rollout.engine=$rollout trainer.device=$device"
-  timeout 130 $PY -m msrl_core.cli demo actor.engine=$engine actor.tp=1 trainer.output_dir="$run" "${common[@]}" \
+  timeout $engine_timeout $PY -m msrl_core.cli demo actor.engine=$engine actor.tp=1 trainer.output_dir="$run" "${common[@]}" \
     > "$out/$engine.log" 2>&1
   rc=$?
   grep -E "^step|error|Error" "$out/$engine.log" | tail -20
