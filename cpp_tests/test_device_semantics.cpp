@@ -29,6 +29,20 @@ namespace {
 using msrl::testing::code_of;
 using msrl::testing::FakeLibrary;
 
+// Runs `cmd` through the shell; returns its output (stdout and stderr) and sets *status (pclose's).
+std::string run_command(const std::string& cmd, int* status) {
+  std::string text;
+  FILE* out = popen((cmd + " 2>&1").c_str(), "r");
+  if (out == nullptr) {
+    *status = -1;
+    return text;
+  }
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, out) != nullptr) text += buf;
+  *status = pclose(out);
+  return text;
+}
+
 std::vector<unsigned char> pattern(size_t n, unsigned seed) {
   std::vector<unsigned char> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<unsigned char>((i * 131 + seed) % 251);
@@ -439,15 +453,12 @@ TEST(RuntimeDiscovery, DISABLED_FailedLoadInAFreshProcess) {
 TEST(RuntimeDiscovery, AFailedLoadIsTriedAgain) {
   char self[4096] = {0};
   ASSERT_GT(readlink("/proc/self/exe", self, sizeof self - 1), 0);
-  std::string cmd =
+  int status = 0;
+  std::string text = run_command(
       std::string(self) +
-      " --gtest_also_run_disabled_tests --gtest_filter=RuntimeDiscovery.DISABLED_FailedLoadInAFreshProcess 2>&1";
-  FILE* out = popen(cmd.c_str(), "r");
-  ASSERT_NE(out, nullptr);
-  std::string text;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, out) != nullptr) text += buf;
-  EXPECT_EQ(pclose(out), 0) << text;
+          " --gtest_also_run_disabled_tests --gtest_filter=RuntimeDiscovery.DISABLED_FailedLoadInAFreshProcess",
+      &status);
+  EXPECT_EQ(status, 0) << text;
   EXPECT_NE(text.find("[  PASSED  ] 1 test"), std::string::npos) << text;
 }
 
@@ -458,14 +469,12 @@ TEST(RuntimeDiscovery, AFailedLoadIsTriedAgain) {
 // engine (ratio ~0.001); one that waits for its copy reads about the same (the bounds leave room for a
 // loaded machine's thread wake-ups). Each direction is compared with a baseline of its own direction.
 TEST(BandwidthBench, BaselinesTimeCompletedCopiesOfTheSameDirection) {
-  std::string cmd = std::string("MSRL_CUDART_PATH=") + MSRL_FAKE_CUDART + " FAKE_DEVICE_NS_PER_BYTE=16 " +
-                    MSRL_BANDWIDTH_BIN + " --device cuda --only _pinned --bytes 1048576 --reps 3 --json 2>&1";
-  FILE* out = popen(cmd.c_str(), "r");
-  ASSERT_NE(out, nullptr);
-  std::string text;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, out) != nullptr) text += buf;
-  ASSERT_EQ(pclose(out), 0) << text;
+  int status = 0;
+  std::string text =
+      run_command(std::string("MSRL_CUDART_PATH=") + MSRL_FAKE_CUDART + " FAKE_DEVICE_NS_PER_BYTE=16 " +
+                      MSRL_BANDWIDTH_BIN + " --device cuda --only _pinned --bytes 1048576 --reps 3 --json",
+                  &status);
+  ASSERT_EQ(status, 0) << text;
   auto field = [&](const std::string& line, const std::string& key) {
     auto at = line.find("\"" + key + "\": ");
     if (at == std::string::npos) return std::string();

@@ -161,21 +161,8 @@ def test_release_sleeps_at_level_2_and_the_switch_wakes_weights_first(fake_vllm,
     with pytest.raises(RuntimeError, match="after release"):
         s.generate([torch.tensor([1])], 2, 0, 0, 1.0, 1.0, None)
     s.on_switch()  # asleep: no second sleep, weights first, KV cache after the training memory is freed
-    assert llm.calls == [
-        "sleep(2)",
-        "wake_up(weights)",
-        "load",
-        "empty_cache",
-        "wake_up(kv_cache)",
-        "reset_prefix_cache",
-        "generate",
-        "sleep(2)",
-        "wake_up(weights)",
-        "load",
-        "empty_cache",
-        "wake_up(kv_cache)",
-        "reset_prefix_cache",
-    ]
+    wake_and_load = ["wake_up(weights)", "load", "empty_cache", "wake_up(kv_cache)", "reset_prefix_cache"]
+    assert llm.calls == ["sleep(2)", *wake_and_load, "generate", "sleep(2)", *wake_and_load]
 
 
 def test_release_without_sleep_mode_does_nothing(fake_vllm, tmp_path):
