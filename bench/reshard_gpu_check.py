@@ -31,6 +31,19 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def interleaved(dev, reps: int, *fns) -> list[float]:
+    """Median seconds of each of ``fns``, run in turn ``reps`` times, each call synchronised."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, acc in zip(fns, times):
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            acc.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -130,39 +143,22 @@ def main() -> None:
         )
 
     # the switch vs the naive per-parameter path (the torch baseline), interleaved
-    ours, naive = [], []
-    for _ in range(args.reps):
-        for fn, acc in (
-            (lambda: sw.switch(params, flat, {}, bucket, swap=False), ours),
-            (lambda: naive_reshard(params, plan, {}, 0), naive),
-        ):
-            _sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            acc.append(time.perf_counter() - t0)
-    emit(
-        case="switch_vs_naive",
-        seconds=statistics.median(ours),
-        naive_seconds=statistics.median(naive),
-        ratio=statistics.median(naive) / statistics.median(ours),
+    ours, naive = interleaved(
+        dev,
+        args.reps,
+        lambda: sw.switch(params, flat, {}, bucket, swap=False),
+        lambda: naive_reshard(params, plan, {}, 0),
     )
+    emit(case="switch_vs_naive", seconds=ours, naive_seconds=naive, ratio=naive / ours)
 
     # pipelined vs not, interleaved
-    plain, piped = [], []
-    for _ in range(args.reps):
-        for pipeline, acc in ((False, plain), (True, piped)):
-            _sync(dev)
-            t0 = time.perf_counter()
-            sw.switch(params, flat, {}, bucket, swap=False, pipeline=pipeline)
-            _sync(dev)
-            acc.append(time.perf_counter() - t0)
-    emit(
-        case="pipelined_vs_not",
-        pipelined_s=statistics.median(piped),
-        plain_s=statistics.median(plain),
-        speedup=statistics.median(plain) / statistics.median(piped),
+    plain, piped = interleaved(
+        dev,
+        args.reps,
+        lambda: sw.switch(params, flat, {}, bucket, swap=False, pipeline=False),
+        lambda: sw.switch(params, flat, {}, bucket, swap=False, pipeline=True),
     )
+    emit(case="pipelined_vs_not", pipelined_s=piped, plain_s=plain, speedup=plain / piped)
 
     # streamed buckets into the engine's own (preallocated) weights
     exp = reference.hf_to_vllm(
