@@ -11,7 +11,7 @@ PYBIND11_DIR = $(shell $(VPY) -m pybind11 --cmakedir)
 # NVIDIA's and Huawei's headers for the vendor ABI conformance test: fetched once, outside the repository.
 VENDOR_HEADERS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/msrl_core/vendor_headers
 
-.PHONY: device-wheels device-check setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo bandwidth test clean
+.PHONY: setup-vllm test-vllm setup apt venv install vendor-headers build-tests build-asan build-tsan build-bench cpp-test cpp-asan cpp-tsan py-test lint bench demo bandwidth test clean
 
 setup: apt install
 
@@ -96,6 +96,7 @@ test: setup lint cpp-test cpp-asan cpp-tsan py-test
 # pybind11 and scikit-build-core with its pathspec (the build), where the image lacks them.
 DEVICE_WHEELS ?= megatron-core==0.16.1 omegaconf==2.4.0 pybind11==3.1.0 scikit-build-core==1.1.2 pathspec
 DEVICE_PY ?= 3.12
+.PHONY: device-wheels device-check
 device-wheels: venv
 	$(VPY) -m pip download -q --no-deps --only-binary=:all: --python-version $(DEVICE_PY) \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(DEVICE_WHEELS)
