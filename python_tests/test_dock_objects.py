@@ -316,3 +316,19 @@ def test_crafted_object_runs_nothing_in_any_ray_actor(tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+def test_module_functions_use_lengths_and_refuse_pickle_by_default():
+    from msrl_core.dock import _objects
+
+    flat, lengths = _objects.encode(["a", CHAT, b"\x00"], "prompt")
+    assert same(_objects.decode(flat, lengths, "prompt"), ["a", CHAT, b"\x00"])
+    with pytest.raises(InvalidArgument, match="allow_pickle=True"):
+        _objects.encode([{1}], "prompt")
+    signed = ObjectCodec.new(allow_pickle=True)
+    flat, lengths = _objects.encode([{1}], "prompt", codec=signed)
+    with pytest.raises(InvalidArgument, match="allow_pickle=False"):
+        _objects.decode(flat, lengths, "prompt")
+    assert _objects.decode(flat, lengths, "prompt", codec=signed) == [{1}]
+    with pytest.raises(InvalidArgument, match="lengths must be"):
+        _objects.decode(flat, [-1, 2], "prompt")

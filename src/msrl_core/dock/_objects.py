@@ -345,3 +345,24 @@ class ObjectCodec:
             self._decode(buf, bounds[i], bounds[i + 1], f"object column '{name}' row {i}")
             for i in range(len(bounds) - 1)
         ]
+
+
+# The codec of docks that do not opt in to pickle: it never signs or unpickles, so its secret is unused.
+_SAFE_ONLY = ObjectCodec.new(allow_pickle=False)
+
+
+def encode(
+    values: Sequence[Any], name: str = "object", codec: ObjectCodec | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 values, int64 lengths) of one object column's rows; ``codec`` None: safe types only."""
+    return (codec or _SAFE_ONLY).encode(values, name)
+
+
+def decode(values: Any, lengths: Any, name: str = "object", codec: ObjectCodec | None = None) -> list[Any]:
+    """The rows' values from (uint8 values, int64 lengths [n]); ``codec`` None: never unpickles."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if lens.ndim != 1 or (lens < 0).any():
+        raise InvalidArgument(f"object column '{name}': lengths must be a 1-D array of counts >= 0")
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    return (codec or _SAFE_ONLY).decode(values, offsets, name)
