@@ -222,3 +222,18 @@ TEST(DockKeys, IdsOfADroppedPartitionAreRefusedAfterItsSlotIsReused) {
   EXPECT_EQ(d.partition("b", false), b);
   EXPECT_EQ(d.allocated_rows(), 1);
 }
+
+TEST(DockKeys, DpSharesHoldWholeGroupsWhenMaxRowsIsNotAMultipleOfTheGroup) {
+  DockCore d(config(8, 2));
+  const int p = d.partition("p", true);
+  std::vector<float> r(8, 1.0f);
+  Tokens t(8, 1);
+  d.put_keys(p, {"i0", "i1", "i2", "i3", "i4", "i5", "i6", "i7"},
+             {t.input(0), ColumnInput{1, r.data(), r.size() * sizeof(float), nullptr}}, false, {}, {});
+  uint64_t e = 0, id = 0;
+  auto s0 = d.claim_dp(p, 0, "b", 0, 2, 1, 3, 0, 0.0, &e, &id, Controller::kAnyVersion);  // 3 rows: one group each
+  auto s1 = d.claim_dp(p, 0, "b", 1, 2, 1, 3, 0, 0.0, &e, &id, Controller::kAnyVersion);
+  EXPECT_EQ(s0.size(), 2u);
+  EXPECT_EQ(s1.size(), 2u);
+  EXPECT_EQ(d.controller(0, p).progress().ready_rows, 4);  // the rest stays for the next round
+}

@@ -174,7 +174,7 @@ def test_error_messages_name_the_problem_once_and_no_source_location(make):
 def test_debug_mode_adds_the_source_location():
     code = (
         "from msrl_core import _core\n"
-        "d = _core.DockCore([('p', 'int64', False, [], 0)], [('s', ['p'], '')], 4, 2, 1)\n"
+        "d = _core.DockCore([('p', 'int64', False, [], 0, False, 'int64')], [('s', ['p'], '')], 4, 2, 1)\n"
         "try:\n    d.claim(0, 1, 0, 0.0)\n"
         "except _core.InvalidArgument as e:\n    print(e)\n"
     )

@@ -1371,7 +1371,10 @@ std::vector<int64_t> DockCore::claim_dp(int p, int stage, const std::string& rou
   auto it = dp_rounds_.find(key);
   if (it == dp_rounds_.end()) {
     DpRound rd;
-    std::vector<int64_t> rows = ctl(p)[stage]->claim(max_rows * dp_size, min_rows * dp_size, timeout_s, &rd.epoch, 0,
+    // Whole groups per replica: every claimed group finds a replica with room.
+    const int64_t per_replica = max_rows / config_.group_size * config_.group_size;
+    const int64_t all = per_replica * dp_size;
+    std::vector<int64_t> rows = ctl(p)[stage]->claim(all, std::min(min_rows * dp_size, all), timeout_s, &rd.epoch, 0,
                                                      &rd.claim_id, min_version);
     // Groups to replicas, largest first onto the lightest replica: loads differ by at most one group.
     const int64_t G = config_.group_size;
@@ -1389,7 +1392,7 @@ std::vector<int64_t> DockCore::claim_dp(int p, int stage, const std::string& rou
     for (const auto& [t, i] : groups) {
       int best = -1;
       for (int d = 0; d < dp_size; ++d) {
-        if (per_rows[d] + G > max_rows) continue;
+        if (per_rows[d] + G > per_replica) continue;
         if (best < 0 || load[d] < load[best]) best = d;
       }
       load[best] += t;

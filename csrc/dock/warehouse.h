@@ -47,7 +47,7 @@ struct ColumnSpec {
   int64_t arena_bytes = 0;
   // The caller's name of the type when it differs from the stored one (e.g. "object": encoded values
   // stored as uint8 rows); part of the column's identity for declare_column.
-  std::string label;
+  std::string label = {};
   // Ragged, owned arenas: grow by chunks (at least arena_bytes each) when full; false: arena_bytes is a
   // stated upper bound.
   bool growable = false;
