@@ -411,6 +411,37 @@ class Gatherer:
         return gathered, error
 
 
+def nothing_to_gather(plan: ReshardPlan) -> bool:
+    """Training TP, EP and PP are all 1: every bucket is this rank's own shards, nothing crosses ranks."""
+    tr = plan.train
+    return tr.tp == 1 and tr.ep == 1 and tr.pp == 1
+
+
+def direct_descriptors(plan: ReshardPlan, bucket_bytes: int, infer_rank: int) -> dict[str, Any]:
+    """With :func:`nothing_to_gather`, per training parameter the copy descriptors of the plan's buckets
+    rebased from the packed bucket onto the parameter's own bytes: the fused copy then reads the training
+    tensors directly (no pack into a scratch, no scratch). Same descriptors, same bytes copied."""
+    import numpy as np
+
+    if not nothing_to_gather(plan):
+        raise ReshardError(f"direct copies need training TP, EP and PP 1; the plan trains with {plan.train}")
+    out: dict[str, list[Any]] = {}
+    for b, d in zip(plan.buckets(bucket_bytes), plan.bucket_descriptors(bucket_bytes, infer_rank)):
+        if not len(d):
+            continue
+        starts = np.asarray([p[2] for p in b.params], dtype=np.int64)
+        which = np.searchsorted(starts, d[:, 0], side="right") - 1
+        for i in np.unique(which):
+            name, shape, off, nb, r0, r1 = b.params[int(i)]
+            sel = d[which == i].copy()
+            # a descriptor never leaves its chunk: [off, off + nb) of the bucket = rows [r0, r1) of the param
+            end = sel[:, 0] + (sel[:, 2] - 1) * sel[:, 4] + sel[:, 3]
+            assert int(sel[:, 0].min()) >= off and int(end.max()) <= off + nb, (name, b.index)
+            sel[:, 0] += r0 * (nb // (r1 - r0)) - off
+            out.setdefault(name, []).append(sel)
+    return {n: np.concatenate(v) for n, v in out.items()}
+
+
 def bucket_label(b: Bucket | None) -> str:
     if b is None:
         return "setup"
