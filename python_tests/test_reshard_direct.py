@@ -1,6 +1,7 @@
 """The switch with nothing to gather (training TP, EP and PP 1): one direct fused copy per parameter from
 its own storage into the inference buffer — no pack into a scratch, no gather, no collective — and the
-rollout weights equal the training weights bit for bit; the swap back restores every byte exactly."""
+rollout weights equal the training weights bit for bit; the swap back restores every byte exactly. And with
+something to gather, the pack on a CPU device runs on the copy engine."""
 
 from __future__ import annotations
 
@@ -132,3 +133,30 @@ def test_direct_descriptors_are_the_bucket_descriptors_rebased():
         assert int((d[:, 0] + (d[:, 2] - 1) * d[:, 4] + d[:, 3]).max()) <= nbytes, name
     with pytest.raises(ReshardError, match="TP, EP and PP 1"):
         steps.direct_descriptors(megatron_to_vllm(cfg, Parallel(tp=2), Parallel(tp=1)), BUCKET, 0)
+
+
+def test_the_pack_on_a_cpu_device_is_one_copy_engine_batch_per_bucket(monkeypatch):
+    """TP 2: the local shards are packed into this member's slot of the gathered bucket by the copy engine
+    (one copy_many batch), not by torch's intra-op threads; the slot holds exactly the shards' bytes."""
+    from reshard_util import gathered_bucket, random_shards
+
+    cfg = CONFIGS["qwen2_gqa_bias"]
+    plan = to_hf(cfg, Parallel(tp=2))
+    shards = random_shards(plan)
+    params = shards[(0, 0, 0)]
+    monkeypatch.setattr(torch, "_foreach_copy_", _forbid)
+    monkeypatch.setattr(steps, "_exchange", lambda *a, **k: None)  # member 0 of a group of 2, no peer
+    engine = RecordingEngine()
+    prep = steps.Prepared(
+        params, 0, 0, {"tp": "p2p", "ep": "p2p"}, torch.device("cpu"), steps.Deadline(60), BUCKET
+    )
+    gatherer = steps.Gatherer(prep, {}, engine=engine)
+    buckets = plan.buckets(BUCKET)
+    scratch = torch.zeros(steps.scratch_bytes(buckets, prep.modes), dtype=torch.uint8)
+    for b in buckets:
+        scratch.zero_()
+        gathered, err = gatherer.gather(b, scratch, steps.Deadline(60))
+        assert err is None
+        want = torch.from_numpy(gathered_bucket(plan, b, shards))[: b.local_bytes]
+        assert torch.equal(gathered[: b.local_bytes], want), b.index
+    assert engine.batches == len(buckets) and engine.executes == []
