@@ -239,15 +239,34 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def _reshard_microbench(reps: int) -> list[dict]:
-    """TP_t 2 -> TP_i 1 on this bench's model over 2 gloo processes (bench/reshard_bench.py --model e2e):
-    the bucketed switch vs the per-parameter all_gather path, which the trainer cannot run at TP 2 (its
-    follower ranks only run allgather_swap)."""
+def _reshard_bench(*extra: str) -> list[dict]:
+    """bench/reshard_bench.py on this bench's model (``--model e2e --layers 4``, 1 MiB buckets as the demo
+    config's ``reshard.bucket_mb``); its JSON lines."""
     cmd = [sys.executable, os.path.join(HERE, "reshard_bench.py"), "--model", "e2e", "--layers", "4"]
-    cmd += ["--bucket-mib", "1", "--reps", str(reps), "--world", "2", "--infer-tp", "1"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
-    return [r for r in rows if r["case"].startswith("reshard_bucketed")]
+    p = subprocess.run([*cmd, "--bucket-mib", "1", *extra], capture_output=True, text=True, timeout=1200)
+    return [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+
+
+def _header() -> dict:
+    import platform
+
+    import torch
+
+    try:
+        commit = subprocess.check_output(
+            ["git", "-C", HERE, "rev-parse", "--short", "HEAD"], text=True
+        ).strip()
+    except Exception:
+        commit = "unknown"
+    return {
+        "bench": "e2e_bench",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def main() -> int:
@@ -263,11 +282,19 @@ def main() -> int:
         default=0,
         help="also run bench/reshard_bench.py --model e2e (TP 2 -> 1, bucketed vs per-parameter gathers)",
     )
+    ap.add_argument(
+        "--swap-reps",
+        type=int,
+        default=0,
+        help="also run bench/reshard_bench.py --model e2e --world 1 --swap-only --malloc both (swap-in vs "
+        "pre-faulted copies of the same bytes)",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # child mode
     a = ap.parse_args()
     if a.case:
         print("RESULT " + json.dumps(run_case(a.case, a.steps, a.seed, int(a.tp))), flush=True)
         return 0
+    print(json.dumps(_header()), flush=True)
     jobs = []
     for tp in (int(x) for x in a.tp.split(",")):
         for case in a.cases.split(","):
@@ -345,8 +372,14 @@ def main() -> int:
                 ),
                 flush=True,
             )
-    if a.reshard_reps:
-        for row in _reshard_microbench(a.reshard_reps):
+    if a.reshard_reps:  # TP_t 2 -> TP_i 1 over 2 gloo processes: the bucketed switch vs per-parameter gathers
+        rows = _reshard_bench("--reps", str(a.reshard_reps), "--world", "2", "--infer-tp", "1")
+        for row in rows:
+            if row["case"].startswith("reshard_bucketed"):
+                print(json.dumps({"reshard_bench": row["case"], **row}), flush=True)
+    if a.swap_reps:  # one process (TP 1): swap-out / swap-in vs pre-faulted copies, glibc default and keeping
+        rows = _reshard_bench("--reps", str(a.swap_reps), "--world", "1", "--swap-only", "--malloc", "both")
+        for row in rows:
             print(json.dumps({"reshard_bench": row["case"], **row}), flush=True)
     return 0
 
