@@ -105,7 +105,37 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         res["saved_max_abs_diff"] = max(float((want[n] - have[n]).abs().max()) for n in want if n in have)
         res["saved_logits_equal"] = bool(torch.equal(_hf_logits(dst, tokens), _hf_logits(src, tokens)))
         res["saved_config_same_model"] = ModelConfig.from_pretrained(dst) == mc
+    if case.get("errors"):
+        res["errors"] = _one_rank_bad(model, src, os.path.join(case["dir"], "broken"), rank)
     return res
+
+
+def _one_rank_bad(model, src: str, broken: str, rank: int) -> dict:
+    """Rank 1 loads a checkpoint that lacks a tensor, rank 0 a good one: both raise (agreed), neither
+    writes a parameter, and the world goes on (no rank left in a collective)."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from msrl_core.models import CheckpointError, load_hf_checkpoint
+
+    if rank == 0:
+        os.makedirs(broken)
+        shutil.copy(os.path.join(src, "config.json"), broken)
+        t = load_file(os.path.join(src, "model.safetensors"))
+        t.pop("model.layers.1.mlp.down_proj.weight")
+        save_file(t, os.path.join(broken, "model.safetensors"))
+    dist.barrier()
+    before = mh._crcs(model)
+    out: dict = {}
+    try:
+        load_hf_checkpoint(model, broken if rank == 1 else src)
+        out["raised"] = None
+    except CheckpointError as e:
+        out["raised"], out["msg"] = type(e).__name__, str(e)
+    out["intact"] = mh._crcs(model) == before
+    return out
 
 
 def _tensors(path: str, safe_open) -> dict:

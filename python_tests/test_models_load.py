@@ -24,6 +24,7 @@ CASES = [
         name="qwen2_tp1",
         arch="qwen2",
         tp=1,
+        errors=True,
         hf=dict(vocab_size=1000, num_attention_heads=8, num_key_value_heads=2, **ATTN),
     ),
     # Qwen2 TP 2 from a sharded checkpoint (index + several files), a non-integer rope_theta, eps 1e-5
@@ -144,3 +145,12 @@ def test_each_rank_reads_only_its_slices(results):
 def test_config_values_reach_megatron(results):
     r = _case(results, "qwen2_tp2_sharded")[0]
     assert r["rope_theta"] == 12345.5 and r["norm_epsilon"] == 1e-5
+
+
+@pytest.mark.slow
+def test_a_bad_checkpoint_on_one_rank_raises_on_every_rank(results):
+    r0, r1 = (r["errors"] for r in _case(results, "qwen2_tp1"))
+    assert r1["raised"] == r0["raised"] == "CheckpointError"
+    assert "'model.layers.1.mlp.down_proj.weight'" in r1["msg"] and "broken" in r1["msg"]
+    assert "another rank" in r0["msg"]
+    assert r0["intact"] and r1["intact"]  # nothing written on either rank

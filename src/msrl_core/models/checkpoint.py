@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -372,41 +373,33 @@ def save_hf_checkpoint(
 def _finish(
     path, tmp, weight_map, config, hf_config, tokenizer, generation_config, make_hf_config
 ) -> list[str]:
-    """Rename the shards to HF's names, write the index (more than one shard), config, tokenizer, generation
-    config."""
-    n = len(tmp)
-    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    rename = {}
-    for f, name in zip(tmp, names):
-        dst = os.path.join(path, name)
-        os.replace(f, dst)
-        rename[f] = name
-    files = [os.path.join(path, x) for x in names]
-    index = os.path.join(path, INDEX)
-    if n > 1:
-        total = 0
-        for x in files:
-            total += os.path.getsize(x)
-        with open(index, "w") as fh:
-            json.dump(
-                {
-                    "metadata": {"total_size": total},
-                    "weight_map": {k: rename[v] for k, v in sorted(weight_map.items())},
-                },
-                fh,
-                indent=2,
-            )
-        files.append(index)
-    elif os.path.exists(index):
-        os.remove(index)  # a stale index of an earlier sharded save would shadow model.safetensors
+    """Write the config, tokenizer and generation config, then the index (more than one shard), then move the
+    shards to HF's names (last: a failure before leaves no weights file); older weight files that the new
+    ones do not replace are removed (a stale index or shard would be read instead)."""
     cfg_file = os.path.join(path, "config.json")
     if hf_config is not None:
         with open(cfg_file, "w") as fh:
             json.dump(dict(hf_config), fh, indent=2, sort_keys=True)
     else:
         make_hf_config(config).save_pretrained(path)
-    files.append(cfg_file)
     for obj in (tokenizer, generation_config):
         if obj is not None:
             obj.save_pretrained(path)
-    return files
+    n = len(tmp)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    rename = dict(zip(tmp, names))
+    index = os.path.join(path, INDEX)
+    if n > 1:
+        total = sum(os.path.getsize(f) for f in tmp)
+        wm = {k: rename[v] for k, v in sorted(weight_map.items())}
+        with open(index + ".tmp", "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": wm}, fh, indent=2)
+        os.replace(index + ".tmp", index)
+    elif os.path.exists(index):
+        os.remove(index)
+    for f, name in rename.items():
+        os.replace(f, os.path.join(path, name))
+    for f in os.listdir(path):
+        if f not in names and re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors", f):
+            os.remove(os.path.join(path, f))
+    return [os.path.join(path, x) for x in names] + ([index] if n > 1 else []) + [cfg_file]
