@@ -105,6 +105,8 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         res["saved_max_abs_diff"] = max(float((want[n] - have[n]).abs().max()) for n in want if n in have)
         res["saved_logits_equal"] = bool(torch.equal(_hf_logits(dst, tokens), _hf_logits(src, tokens)))
         res["saved_config_same_model"] = ModelConfig.from_pretrained(dst) == mc
+    if case.get("grad"):
+        res["grad"] = _grads_vs_transformers(model, mc, train, src, tokens, rank)
     if case.get("errors"):
         res["errors"] = _one_rank_bad(model, src, os.path.join(case["dir"], "broken"), rank)
     return res
@@ -145,3 +147,58 @@ def _tensors(path: str, safe_open) -> dict:
             with safe_open(os.path.join(path, f), framework="pt") as h:
                 out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 (a safe_open handle)
     return out
+
+
+def _grads_vs_transformers(model, mc, train, src: str, tokens, rank: int) -> dict:
+    """One backward of ``sum(logits * W)`` through :func:`pipeline_forward` on every rank, completed by
+    :func:`finish_grads`, the gradients brought to HF names by the forward plan (``stream_buckets`` over the
+    gradients), compared on rank 0 with transformers' gradients of the same loss."""
+    import re
+
+    import torch
+    import transformers as tf
+
+    from msrl_core.models import finish_grads, megatron_groups, pipeline_forward
+    from msrl_core.reshard import stream_buckets, to_hf
+
+    V = mc.vocab_size
+    W = torch.randn(*tokens.shape, V, generator=torch.Generator().manual_seed(11))
+    model.zero_grad(set_to_none=True)
+    out = pipeline_forward(model, tokens)
+    if out.dim() == 3:  # this rank holds the logits (dst stage)
+        (out[..., :V] * W).sum().backward()
+    else:
+        out.backward()
+    finish_grads(model)
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    got: dict = {}
+    for bucket in stream_buckets(
+        grads, to_hf(mc, train), megatron_groups(), names="hf", bucket_bytes=1 << 16
+    ):
+        got.update((n, t.clone()) for n, t in bucket)
+    if rank != 0:
+        return {}
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    (hf(tokens).logits * W).sum().backward()
+    want: dict = {}
+    for n, p in hf.named_parameters():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up|down)_proj", n)
+        if m is None:
+            want[n] = p.grad
+            continue
+        for e in range(p.shape[0]):
+            x = f"{m.group(1)}{e}."
+            if m.group(2) == "down":
+                want[x + "down_proj.weight"] = p.grad[e]
+            else:
+                f = p.shape[1] // 2
+                want[x + "gate_proj.weight"], want[x + "up_proj.weight"] = p.grad[e, :f], p.grad[e, f:]
+    scale = max(float(g.abs().max()) for g in want.values())
+    diff = {n: float((got[n].reshape(g.shape) - g).abs().max()) for n, g in want.items() if n in got}
+    worst = max(diff, key=diff.__getitem__)
+    return {
+        "names_equal": sorted(want) == sorted(got),
+        "max_abs_diff": diff[worst],
+        "worst": worst,
+        "scale": scale,
+    }

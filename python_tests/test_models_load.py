@@ -45,6 +45,7 @@ CASES = [
     # Llama MQA (1 KV head < TP 2: a query group split across ranks), tied embeddings, vocab 997
     dict(
         name="llama_tp2_tied",
+        grad=True,
         arch="llama",
         tp=2,
         hf=dict(
@@ -54,6 +55,7 @@ CASES = [
     # Qwen3: QK norm, head_dim 32 != hidden/heads, PP 2 (stage-local layers), tied (output layer copy)
     dict(
         name="qwen3_pp2_tied",
+        grad=True,
         arch="qwen3",
         pp=2,
         hf=dict(
@@ -68,6 +70,7 @@ CASES = [
     # Qwen3-MoE: 4 experts over EP 2 (2 per rank), top-2, renormalised top-k (hub Qwen3-MoE setting)
     dict(
         name="qwen3_moe_ep2",
+        grad=True,
         arch="qwen3_moe",
         ep=2,
         hf=dict(
@@ -154,3 +157,16 @@ def test_a_bad_checkpoint_on_one_rank_raises_on_every_rank(results):
     assert "'model.layers.1.mlp.down_proj.weight'" in r1["msg"] and "broken" in r1["msg"]
     assert "another rank" in r0["msg"]
     assert r0["intact"] and r1["intact"]  # nothing written on either rank
+
+
+GRAD_TOL = 1e-5  # relative to the largest gradient
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_tp2_tied", "qwen3_pp2_tied", "qwen3_moe_ep2"])
+def test_gradients_through_pipeline_forward_equal_transformers(results, name):
+    # pipeline_forward + finish_grads (tied embedding over PP stages, experts seen EP times): the gradient of
+    # one loss, in HF layout by the forward plan, equals transformers' gradient of it
+    g = _case(results, name)[0]["grad"]
+    assert g["names_equal"]
+    assert g["max_abs_diff"] <= GRAD_TOL * g["scale"], g
