@@ -170,3 +170,18 @@ def test_gradients_through_pipeline_forward_equal_transformers(results, name):
     g = _case(results, name)[0]["grad"]
     assert g["names_equal"]
     assert g["max_abs_diff"] <= GRAD_TOL * g["scale"], g
+    assert abs(g["grad_norm"] - g["hf_grad_norm"]) <= GRAD_TOL * g["hf_grad_norm"], (
+        g
+    )  # grad_norm over the grid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama_tp2_tied", "qwen3_pp2_tied", "qwen3_moe_ep2"])
+def test_a_few_sgd_steps_follow_transformers(results, name):
+    per_rank = _case(results, name)
+    hf_losses = per_rank[0]["train"]["hf_losses"]
+    losses = [r["train"]["losses"] for r in per_rank if r["train"]["losses"]]
+    assert losses and all(len(x) == 3 for x in losses)
+    assert hf_losses[-1] < hf_losses[0]  # the steps do something
+    for x in losses:
+        assert max(abs(a - b) for a, b in zip(x, hf_losses)) <= 1e-5, (x, hf_losses)

@@ -14,7 +14,7 @@ from msrl_core.models.checkpoint import (
 )
 from msrl_core.models.config import ModelConfig, hf_config, hf_model_class
 from msrl_core.models.megatron import build_gpt, init_model_parallel, megatron_groups, transformer_config
-from msrl_core.models.pipeline import finish_grads, pipeline_forward
+from msrl_core.models.pipeline import finish_grads, grad_norm, pipeline_forward
 
 __all__ = [
     "CheckpointError",
@@ -24,6 +24,7 @@ __all__ = [
     "ShardLayout",
     "build_gpt",
     "finish_grads",
+    "grad_norm",
     "hf_config",
     "hf_model_class",
     "init_model_parallel",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["finish_grads", "pipeline_forward"]
+__all__ = ["finish_grads", "grad_norm", "pipeline_forward"]
 
 
 def _peer(group: Any, stage: int) -> int:
@@ -138,3 +138,39 @@ def finish_grads(model: Any) -> None:
         for p in model.parameters():
             if p.grad is not None and not getattr(p, "allreduce", True):  # megatron-core marks expert params
                 p.grad.div_(ep)
+
+
+def grad_norm(model: Any) -> float:
+    """The global L2 norm of the gradients of the whole model from this rank's shard (every rank of the
+    model's TP x PP x EP grid calls it; each gets the same value): TP-sharded parameters summed over the TP
+    group, replicated ones once, experts over the EP group (and the expert-TP group when it is larger than
+    one), all of it over the PP stages; the last stage's copy of a tied embedding (megatron's ``shared``
+    attribute) is not counted twice."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    device = next(model.parameters()).device
+    dense_tp = torch.zeros((), dtype=torch.float64, device=device)
+    dense = torch.zeros((), dtype=torch.float64, device=device)
+    expert = torch.zeros((), dtype=torch.float64, device=device)
+    ep = ps.get_expert_model_parallel_world_size()
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "shared", False):
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if ep > 1 and not getattr(p, "allreduce", True):
+            expert += sq
+        elif getattr(p, "tensor_model_parallel", False):
+            dense_tp += sq
+        else:
+            dense += sq
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(dense_tp, group=ps.get_tensor_model_parallel_group())
+    if ep > 1:
+        dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
+        if ps.get_expert_tensor_parallel_world_size() > 1:
+            dist.all_reduce(expert, group=ps.get_expert_tensor_parallel_group())
+    total = dense_tp + dense + expert
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return float(total.sqrt())
