@@ -89,8 +89,9 @@ def test_formats_json_for_plain_json_tagged_for_the_rest():
     codec = ObjectCodec.new()
     assert codec.encode_one(CHAT)[0] == JSON
     assert codec.encode_one("")[0] == JSON
-    for v in (b"x", (1,), {1: 2}, [1, (2,)], {"a": b"x"}):
+    for v in (b"x", (1,), {1: 2}, [1, (2,)], {"a": b"x"}, 2**63, [10**5000], math.nan):
         assert codec.encode_one(v)[0] == SAFE, v
+    assert codec.decode_one(codec.encode_one([10**5000])) == [10**5000]  # beyond json's digit limit
     # JSON rows are plain ASCII JSON after the format byte.
     assert codec.encode_one({"a": [1, None]}) == b'\x03{"a":[1,null]}'
 
