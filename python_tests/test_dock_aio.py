@@ -284,3 +284,24 @@ def test_64_claimers_drain_a_ray_stage_exactly_once():
     finally:
         if started:
             ray.shutdown()
+
+
+def test_batches_streams_until_no_rows_come_within_the_deadline():
+    dock = make_dock()
+
+    async def main():
+        adock = AsyncDock(dock)
+        rows = await adock.put(prompts(16))
+        seen = []
+        async for batch in adock.batches("score", max_rows=8, timeout=0.2, fetch_args={"layout": "padded"}):
+            assert batch.stage == "score" and batch["prompts"].values.shape[0] == len(batch.rows)
+            seen.extend(batch.rows.tolist())
+            await adock.put({"rewards": np.zeros(len(batch.rows), np.float32)}, rows=batch)
+        assert sorted(seen) == sorted(rows.tolist())
+        assert dock.progress()["update"]["ready_rows"] == 16
+        with pytest.raises(InvalidArgument, match="timeout > 0"):
+            async for _ in adock.batches("score", max_rows=8, timeout=0):
+                pass
+        adock.close()
+
+    run(main())

@@ -1,4 +1,5 @@
-"""asyncio API over a Dock: awaitable claim / fetch / put / take (and get, where the dock has it).
+"""asyncio API over a Dock: awaitable claim / fetch / put / take (and get, where the dock has it), and
+``async for batch in adock.batches(stage, ...)``.
 
 >>> adock = AsyncDock(dock)
 >>> meta = await adock.claim("reward", max_rows=64, timeout=5.0)
@@ -38,7 +39,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -315,6 +316,30 @@ class AsyncDock:
             if len(meta):
                 self._give_back(meta)
             raise
+
+    async def batches(
+        self,
+        stage: str,
+        max_rows: int,
+        timeout: float,
+        min_rows: int | None = None,
+        columns: Sequence[str] | None = None,
+        max_items: int | None = None,
+        fetch_args: Mapping[str, Any] | None = None,
+        **claim_args: Any,
+    ) -> AsyncIterator[Batch]:
+        """``take`` in a loop: yields Batches until no rows come within ``timeout`` seconds (``Timeout``)
+        or the dock or this AsyncDock is closed (``Closed``), then ends. ``timeout`` must be > 0."""
+        if _check_timeout("timeout", timeout) == 0:
+            raise InvalidArgument("batches() needs timeout > 0: it ends when no rows come within it")
+        while True:
+            try:
+                batch = await self.take(
+                    stage, max_rows, timeout, min_rows, columns, max_items, fetch_args, **claim_args
+                )
+            except (Timeout, Closed):
+                return
+            yield batch
 
     # ---- lifetime --------------------------------------------------------------------------
 
