@@ -194,10 +194,15 @@ def test_io_deadline_and_bad_arguments():
         def fetch(self, meta, columns=None):
             time.sleep(0.5)
 
+        def put(self, data, rows=None):
+            raise Timeout("the dock's own deadline")  # not io_timeout's
+
     async def main():
         adock = AsyncDock(SlowDock(), io_timeout=0.05)  # type: ignore[arg-type]
         with pytest.raises(Timeout, match="io_timeout=0.05"):
             await adock.fetch([0])
+        with pytest.raises(Timeout, match="the dock's own deadline"):
+            await adock.put({})
         with pytest.raises(InvalidArgument, match="keyed get"):
             await adock.get(["k"])
         adock.close()

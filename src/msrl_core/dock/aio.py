@@ -274,12 +274,15 @@ class AsyncDock:
     async def _io(self, call: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor, call)
-        try:
-            return await asyncio.wait_for(fut, self.io_timeout)
-        except asyncio.TimeoutError:
+        # asyncio.wait, not wait_for: a Timeout raised by the call itself (a TimeoutError too) must reach
+        # the caller as it is, not be taken for this deadline.
+        done, _ = await asyncio.wait({fut}, timeout=self.io_timeout)
+        if not done:
+            fut.cancel()
             raise Timeout(
                 f"dock call did not finish within io_timeout={self.io_timeout} s (it may still complete)"
-            ) from None
+            )
+        return fut.result()
 
     async def fetch(self, meta: Any, columns: Sequence[str] | None = None, **fetch_args: Any) -> Batch:
         """``Dock.fetch`` on the thread pool (``layout=``, ``output=``, ... as there)."""
