@@ -333,3 +333,41 @@ def test_module_functions_use_lengths_and_refuse_pickle_by_default():
     assert _objects.decode(flat, lengths, "prompt", codec=signed) == [{1}]
     with pytest.raises(InvalidArgument, match="lengths must be"):
         _objects.decode(flat, [-1, 2], "prompt")
+
+
+def _safe_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(),
+        st.binary(max_size=64),
+    )
+    keys = st.one_of(st.text(max_size=8), st.integers(), st.none(), st.booleans(), st.binary(max_size=4))
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=5),
+            st.lists(inner, max_size=5).map(tuple),
+            st.dictionaries(keys, inner, max_size=5),
+        ),
+        max_leaves=30,
+    )
+
+
+def test_any_safe_value_round_trips_exactly_property():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    codec = ObjectCodec.new()
+
+    @settings(max_examples=120, deadline=None)
+    @given(st.lists(_safe_values(), max_size=6))
+    def check(values):
+        out = round_trip(codec, values)
+        assert len(out) == len(values) and all(same(a, b) for a, b in zip(values, out))
+
+    check()
