@@ -71,10 +71,17 @@ def all_shards(params: dict, ps) -> dict:
     mine = {n: p.detach().clone() for n, p in normalize_params(params).items()}
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, (key, mine))
-    out: dict = {}
-    for k, d in got:
-        out.setdefault(tuple(k), d)  # data-parallel replicas hold the same shards
-    return out
+    # with EP > 1 the experts (expert TP 1) vary with the EP rank and the rest with the TP rank, and the
+    # ranks need not cover every (tp, ep) pair: compose the shards the reference wants from the two halves
+    ep = ps.get_expert_model_parallel_world_size()
+    dense: dict = {}
+    experts: dict = {}
+    for (s, t, e), d in got:
+        dense.setdefault((s, t), {n: v for n, v in d.items() if ep == 1 or ".experts." not in n})
+        experts.setdefault((s, e), {n: v for n, v in d.items() if ep > 1 and ".experts." in n})
+    return {
+        (s, t, e): {**dense[(s, t)], **experts[(s2, e)]} for (s, t) in dense for (s2, e) in experts if s2 == s
+    }
 
 
 def compare(got: dict, exp: dict) -> dict:

@@ -254,9 +254,9 @@ def _engine_class() -> Any:
 
 def install() -> None:
     """Replace the four methods on verl's ``MegatronEngine`` (idempotent)."""
-    cls = _engine_class()
     if ORIGINAL:
         return
+    cls = _engine_class()
     for name, fn in _PATCHES.items():
         ORIGINAL[name] = cls.__dict__[name]
         setattr(cls, name, fn)
