@@ -202,8 +202,10 @@ def run_case(case: str, steps: int, seed: int, tp: int = 1) -> dict:
     }
 
 
-def _child(case: str, tp: int, steps: int, seed: int) -> dict:
+def _child(case: str, tp: int, steps: int, seed: int, src: str | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2")
+    if src:  # msrl_core from another checkout's src/ (ahead of this one's on sys.path)
+        env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
     p = subprocess.Popen(
         [
             sys.executable,
@@ -289,6 +291,10 @@ def main() -> int:
         help="also run bench/reshard_bench.py --model e2e --world 1 --swap-only --malloc both (swap-in vs "
         "pre-faulted copies of the same bytes)",
     )
+    ap.add_argument(
+        "--before-src",
+        help="an older checkout's src/ (with its _core built): every (tp, case) also runs on it, interleaved",
+    )
     ap.add_argument("--case", help=argparse.SUPPRESS)  # child mode
     a = ap.parse_args()
     if a.case:
@@ -314,11 +320,14 @@ def main() -> int:
                 )
                 continue
             jobs.append((tp, case))
+    if a.before_src:
+        jobs = [(tp, c) for tp, case in jobs for c in (f"{case}@before", case)]
     runs: dict[tuple[int, str], list[dict]] = {j: [] for j in jobs}
     for rep in range(a.repeat):  # interleaved: drift on the shared machine hits every case alike
         for tp, case in jobs:
-            r = _child(case, tp, a.steps, a.seed)
-            r["repeat"] = rep
+            name, _, before = case.partition("@")
+            r = _child(name, tp, a.steps, a.seed, a.before_src if before else None)
+            r["case"], r["repeat"] = case, rep
             print(json.dumps(r), flush=True)
             if "error" not in r:
                 runs[(tp, case)].append(r)
