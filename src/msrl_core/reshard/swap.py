@@ -1,6 +1,8 @@
 """allgather-swap execution: bucketed all-gather over the caller's process groups, one fused strided copy
 per bucket into the flat inference buffer, swap-out of the training weights to persistent pinned host
-mirrors (storage freed, tensor objects kept), and the asynchronous swap back.
+mirrors (storage freed, tensor objects kept), and the asynchronous swap back. With nothing to gather
+(training TP, EP and PP all 1) the buckets' descriptors run straight from each parameter's storage: one
+fused copy per parameter, no pack, no scratch, no collective.
 
 One :class:`Switcher` per plan owns what outlives a switch: the pinned host mirrors, the copy engine and
 pinned pool it uses (injectable), and the state (the :class:`Swap` not yet swapped back). The switch runs as
