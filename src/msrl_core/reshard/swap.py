@@ -658,7 +658,8 @@ def allgather_swap(
     ``gather``: ``"all_gather"`` (one ``all_gather_single`` per bucket), ``"p2p"`` (the same exchange as
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
-    collective elsewhere (NCCL/HCCL).
+    collective elsewhere (NCCL/HCCL). With training TP, EP and PP all 1 nothing is gathered: one fused copy
+    per parameter straight into ``infer`` (``telemetry.gather == "none"``; ``pipeline``: nothing to overlap).
     ``bucket_bytes``: bytes per member and bucket, or ``"auto"``: chosen from free device memory (1/16 of
     it over the group's members, 1-256 MiB, the smallest of the ranks' choices; ``telemetry.bucket_bytes``).
     ``pipeline``: gather bucket k+1 while the fused copy of bucket k runs (two gather scratches).
