@@ -485,7 +485,7 @@ class Switcher(EngineAndPool):
         buckets = plan.buckets(bucket_bytes)
         cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
         cur_stream = current_stream(prep.device)
-        gatherer = Gatherer(prep, groups, fail, engine)
+        gatherer = Gatherer(prep, groups, fail, engine, after=cur_stream)
         one = tele.scratch_bytes // (2 if pipeline else 1)
         scratches: list[Any] = []
         pending: tuple[Any, Bucket] | None = None  # the copy in flight (pipelined)
