@@ -85,6 +85,24 @@ CASES = [
             **ATTN,
         ),
     ),
+    # Qwen3-MoE with its experts TP-sharded (TP 2, EP 1), the top-k of the full softmax (norm_topk_prob False:
+    # Megatron's pre-softmax router)
+    dict(
+        name="qwen3_moe_tp2_presoftmax",
+        arch="qwen3_moe",
+        tp=2,
+        hf=dict(
+            vocab_size=1000,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            **ATTN,
+        ),
+    ),
 ]
 
 
