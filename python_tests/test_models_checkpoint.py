@@ -95,12 +95,12 @@ def _rewrite(path, fn):
     save_file(t, f)
 
 
-def _attempt(path, cfg, train=TP2, rank=1, shards=None):
+def _attempt(path, cfg, train=TP2, rank=1, shards=None, ep_rank=0):
     plan = to_hf(cfg, train)
     sh = shards if shards is not None else {n: torch.full(s, 7.0) for n, s in plan.train_shapes(0).items()}
     before = {n: t.clone() for n, t in sh.items()}
     with pytest.raises(CheckpointError) as ei:
-        load_hf_checkpoint(sh, str(path), ShardLayout(train, 0, rank, 0), config=cfg)
+        load_hf_checkpoint(sh, str(path), ShardLayout(train, 0, rank, ep_rank), config=cfg)
     assert all(torch.equal(before[n], sh[n]) for n in sh)  # nothing written
     return str(ei.value)
 
@@ -112,7 +112,7 @@ def test_bad_checkpoints_name_the_file_and_the_tensor(tmp_path):
 
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.v_proj.bias"))
     msg = _attempt(tmp_path, cfg)
-    assert "'model.layers.1.self_attn.v_proj.bias'" in msg and str(tmp_path) in msg
+    assert "'model.layers.1.self_attn.v_proj.bias'" in msg and f"(not in {f})" in msg
 
     _checkpoint(cfg, str(tmp_path))
     _rewrite(tmp_path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(95, 64)}))
@@ -130,6 +130,23 @@ def test_bad_checkpoints_name_the_file_and_the_tensor(tmp_path):
 def test_a_partial_sharded_checkpoint_names_the_missing_file(tmp_path):
     cfg = CONFIGS["qwen3_moe"]
     _checkpoint(cfg, str(tmp_path), shards=3)
+    index = os.path.join(str(tmp_path), "model.safetensors.index.json")
+    with open(index) as fh:
+        full = json.load(fh)
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    with open(index, "w") as fh:
+        json.dump({"weight_map": {k: v for k, v in full["weight_map"].items() if k != gone}}, fh)
+    msg = _attempt(tmp_path, cfg, Parallel(ep=2), rank=0, ep_rank=1)  # EP rank 1 holds expert 3
+    report = load_hf_checkpoint(  # EP rank 0 does not need it: loads
+        {n: torch.zeros(s) for n, s in to_hf(cfg, Parallel(ep=2)).train_shapes(0).items()},
+        str(tmp_path),
+        ShardLayout(Parallel(ep=2), 0, 0, 0),
+        config=cfg,
+    )
+    assert report.tensors_read == 21 + 2 * 2 * 3
+    assert f"'{gone}'" in msg and f"(not in {index})" in msg
+    with open(index, "w") as fh:
+        json.dump(full, fh)
     os.remove(os.path.join(str(tmp_path), "model-00002-of-00003.safetensors"))
     msg = _attempt(tmp_path, cfg, Parallel(ep=2), rank=0)
     assert "model-00002-of-00003.safetensors" in msg and "does not exist" in msg

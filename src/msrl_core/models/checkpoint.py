@@ -105,8 +105,10 @@ class SafetensorsCheckpoint:
             if not isinstance(wm, dict):
                 raise CheckpointError(f"{index}: weight_map is not an object")
             self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
+            self.listing = index
         elif os.path.isfile(single):
             self.weight_map = {}
+            self.listing = single
             for name in self._open(SINGLE).keys():  # noqa: SIM118 (a safe_open handle)
                 self.weight_map[name] = SINGLE
         else:
@@ -135,7 +137,7 @@ class SafetensorsCheckpoint:
         """The stored shape; a :class:`CheckpointError` naming the file when the tensor is absent."""
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r} (not in {self.listing})")
         f = self._open(file)
         try:
             return tuple(int(x) for x in f.get_slice(name).get_shape())
