@@ -232,8 +232,7 @@ def load_hf_checkpoint(
     from the model or mis-shaped raise a :class:`CheckpointError` naming the file and the tensor. With
     torch.distributed initialised the ranks of ``group`` (default: the world) agree on the checks within
     ``timeout`` seconds, so all raise together and every one of them must call this; a rank whose own check
-    passed raises an error saying another rank's
-    failed."""
+    passed raises an error saying another rank's failed."""
     import torch
 
     local_error: Exception | None = None
