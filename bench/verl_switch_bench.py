@@ -27,6 +27,7 @@ line per system (rank 0's medians, ``max_rank_s`` the slowest rank's median) and
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -134,6 +135,7 @@ def _bench_case(case: dict, rank: int, world: int) -> dict:
     }
 
     def run(name: str) -> dict:
+        gc.collect()  # the previous run's garbage leaves before the RSS baseline is taken
         dist.barrier()
         with RssPeak() as rss:
             t0 = time.perf_counter()
@@ -142,6 +144,7 @@ def _bench_case(case: dict, rank: int, world: int) -> dict:
         return {"s": s, "rss_peak_bytes": rss.peak_bytes}
 
     def measured(name: str) -> int:  # the torch tally slows every op: a run of its own, not timed
+        gc.collect()
         dist.barrier()
         with MemoryProbe() as probe:
             sender.consume(systems[name]())
