@@ -28,6 +28,9 @@ from typing import Any
 
 import pytest
 
+# Ray reads this when it is imported: without it a single-node Ray ignores _node_ip_address="127.0.0.1".
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 # MSRL_TQ_BACKENDS=SimpleStorage runs one backend (e.g. to compare a failure with TransferQueue's own).
 BACKENDS = tuple(b for b in os.environ.get("MSRL_TQ_BACKENDS", "SimpleStorage,MsrlDock").split(",") if b)
 
@@ -174,7 +177,6 @@ class _BackendSwitch:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     _wrap_ray_init()
     _fractional_tq_actors()
