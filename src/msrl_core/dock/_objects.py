@@ -67,11 +67,13 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_json(value: Any, depth: int) -> bool:
-    """True when ``json`` round-trips the value exactly: str-keyed dicts, lists (no tuples), str, int,
+    """True when ``json`` round-trips the value exactly: str-keyed dicts, lists (no tuples), str, int64,
     float other than NaN (json would lose a NaN's sign and payload bits), bool, None."""
     t = type(value)
-    if t is str or t is int or t is bool or value is None:
+    if t is str or t is bool or value is None:
         return True
+    if t is int:  # huge ints go tagged: json's int <-> str conversion has a digit limit
+        return _I64_MIN <= value <= _I64_MAX
     if t is float:
         return value == value  # repr round-trips every other float exactly, -0.0 and infinities too
     if depth >= MAX_DEPTH:
