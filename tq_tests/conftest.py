@@ -22,57 +22,21 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tq_harness import (
+    BACKENDS,
+    MSRL_DOCK_LEFT_OUT,
+    RAY_TEST_OPTIONS,
+    TQ_ACTOR_CPUS,
+    UPSTREAM_FILES,
+    backend_config,
+)
 
 # Ray reads this when it is imported: without it a single-node Ray ignores _node_ip_address="127.0.0.1".
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-# MSRL_TQ_BACKENDS=SimpleStorage runs one backend (e.g. to compare a failure with TransferQueue's own).
-BACKENDS = tuple(b for b in os.environ.get("MSRL_TQ_BACKENDS", "SimpleStorage,MsrlDock").split(",") if b)
-
-# The upstream files this tier runs (relative to site-packages/tests/e2e).
-UPSTREAM_FILES = ("test_kv_interface_e2e.py", "test_e2e_lifecycle_consistency.py", "test_checkpoint_e2e.py")
-
-# Tests left out for MsrlDock: they inspect SimpleStorage's own checkpoint files or its own rule.
-MSRL_DOCK_LEFT_OUT = {
-    "test_checkpoint_e2e.py::TestCheckpointRoundtrip::test_tensor_fields": (
-        "asserts SimpleStorage's checkpoint files (simple_storage/storage_unit_info.json)"
-    ),
-    "test_checkpoint_e2e.py::TestIncludeStorageFalse::test_storage_saved_is_true": (
-        "asserts SimpleStorage's own rule (include_storage=False is forced to True for "
-        "AsyncSimpleStorageManager) and its simple_storage/ directory"
-    ),
-    "test_checkpoint_e2e.py::TestCheckpointErrors::test_load_raises_on_storage_unit_count_mismatch": (
-        "edits SimpleStorage's simple_storage/storage_unit_info.json"
-    ),
-}
-
-# MsrlDock's config block, as a user would write it under transfer_queue.backend.MsrlDock.
-MSRL_DOCK_TEST_CONFIG: dict[str, Any] = {"warehouses": 2}
-
-RAY_TEST_OPTIONS: dict[str, Any] = {
-    "num_cpus": 4,
-    "object_store_memory": 256 * 2**20,
-    "include_dashboard": False,
-    "_node_ip_address": "127.0.0.1",
-}
-TQ_ACTOR_CPUS = 0.1
-
-
-def backend_config(name: str) -> dict[str, Any]:
-    """The TransferQueue config the upstream files use, for either backend."""
-    cfg: dict[str, Any] = {"controller": {"polling_mode": True}, "backend": {"storage_backend": name}}
-    if name == "SimpleStorage":
-        cfg["backend"]["SimpleStorage"] = {"total_storage_size": 200, "num_data_storage_units": 2}
-    elif name == "MsrlDock":
-        cfg["backend"]["MsrlDock"] = dict(MSRL_DOCK_TEST_CONFIG)
-    else:
-        raise ValueError(f"unknown backend {name!r}; this tier runs {BACKENDS}")
-    return cfg
 
 
 def _upstream_name(path: Path) -> str | None:
@@ -182,4 +146,3 @@ def pytest_configure(config: pytest.Config) -> None:
     _fractional_tq_actors()
     if not config.pluginmanager.has_plugin("msrl_tq_backend_switch"):
         config.pluginmanager.register(_BackendSwitch(), "msrl_tq_backend_switch")
-    sys.modules.setdefault("msrl_tq_conftest", sys.modules[__name__])
