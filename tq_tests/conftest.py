@@ -28,11 +28,18 @@ from typing import Any
 import pytest
 from tq_harness import (
     BACKENDS,
+    COMPAT,
     MSRL_DOCK_LEFT_OUT,
     RAY_TEST_OPTIONS,
+    SETUP_HOOK,
     TQ_ACTOR_CPUS,
     UPSTREAM_FILES,
     backend_config,
+)
+
+# The compat pass runs the compat tests (there `transfer_queue` is msrl_core's module), the other the rest.
+collect_ignore = (
+    ["test_msrl_dock_backend.py", "test_msrl_dock_fields.py"] if COMPAT else ["test_compat_transfer_queue.py"]
 )
 
 # Ray reads this when it is imported: without it a single-node Ray ignores _node_ip_address="127.0.0.1".
@@ -56,9 +63,7 @@ def _wrap_ray_init() -> None:
             for key, value in RAY_TEST_OPTIONS.items():
                 kwargs.setdefault(key, value)
             runtime_env = dict(kwargs.get("runtime_env") or {})
-            runtime_env.setdefault(
-                "worker_process_setup_hook", "msrl_core.integrations.transfer_queue.register"
-            )
+            runtime_env.setdefault("worker_process_setup_hook", SETUP_HOOK)
             kwargs["runtime_env"] = runtime_env
         return original(*args, **kwargs)
 
@@ -92,7 +97,8 @@ class _BackendSwitch:
             return
         module = metafunc.module
         if hasattr(module, "BACKEND_CONFIGS"):
-            module.BACKEND_CONFIGS.setdefault("MsrlDock", backend_config("MsrlDock"))
+            for backend in BACKENDS:
+                module.BACKEND_CONFIGS.setdefault(backend, backend_config(backend))
         if "backend_name" in metafunc.fixturenames:
             metafunc.parametrize("backend_name", BACKENDS, scope="module")
         elif hasattr(module, "_TQ_CONFIG") and "ray_init" in metafunc.fixturenames:
@@ -144,5 +150,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     _wrap_ray_init()
     _fractional_tq_actors()
+    if COMPAT:
+        import msrl_core.compat.transfer_queue as compat
+
+        compat.install()
     if not config.pluginmanager.has_plugin("msrl_tq_backend_switch"):
         config.pluginmanager.register(_BackendSwitch(), "msrl_tq_backend_switch")

@@ -5,8 +5,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# MSRL_TQ_COMPAT=1: a run with msrl_core.compat.transfer_queue installed as the module `transfer_queue`
+# (TransferQueue's own controller and storage never start); it runs TQ's key-value e2e file.
+COMPAT = os.environ.get("MSRL_TQ_COMPAT") == "1"
 # MSRL_TQ_BACKENDS=SimpleStorage runs one backend (e.g. to compare a failure with TransferQueue's own).
-BACKENDS = tuple(b for b in os.environ.get("MSRL_TQ_BACKENDS", "SimpleStorage,MsrlDock").split(",") if b)
+BACKENDS = (
+    ("Compat",)
+    if COMPAT
+    else tuple(b for b in os.environ.get("MSRL_TQ_BACKENDS", "SimpleStorage,MsrlDock").split(",") if b)
+)
+# What every Ray worker process runs first (Ray's worker_process_setup_hook).
+SETUP_HOOK = (
+    "msrl_core.compat.transfer_queue.install" if COMPAT else "msrl_core.integrations.transfer_queue.register"
+)
 
 # The upstream files this tier runs (relative to site-packages/tests/e2e).
 UPSTREAM_FILES = ("test_kv_interface_e2e.py", "test_e2e_lifecycle_consistency.py", "test_checkpoint_e2e.py")
@@ -42,7 +53,8 @@ def backend_config(name: str) -> dict[str, Any]:
     cfg: dict[str, Any] = {"controller": {"polling_mode": True}, "backend": {"storage_backend": name}}
     if name == "SimpleStorage":
         cfg["backend"]["SimpleStorage"] = {"total_storage_size": 200, "num_data_storage_units": 2}
-    elif name == "MsrlDock":
+    elif name in ("MsrlDock", "Compat"):  # the compat module reads the MsrlDock block only
+        cfg["backend"]["storage_backend"] = "MsrlDock"
         cfg["backend"]["MsrlDock"] = dict(MSRL_DOCK_TEST_CONFIG)
     else:
         raise ValueError(f"unknown backend {name!r}; this tier runs {BACKENDS}")

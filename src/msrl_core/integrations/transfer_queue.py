@@ -314,6 +314,20 @@ def pack_field(parts: list[tuple[list[int], str, Any]], n: int) -> Any:
     return AsyncSimpleStorageManager._pack_field_values(samples)
 
 
+def erase_present(dock: Any, keys: list, partition: str) -> None:
+    """Erases those of ``keys`` the partition holds (TQ's clears are idempotent and include indexes that
+    never got data, such as tag-only keys; the dock's erase refuses unknown keys as a whole)."""
+    if not keys:
+        return
+    try:
+        dock.erase(keys, partition=partition)
+    except NotFound:
+        present = set(dock.keys(partition=partition))
+        known = [k for k in keys if k in present]
+        if known:
+            dock.erase(known, partition=partition)
+
+
 # ---- the storage manager ----------------------------------------------------------------------
 
 
@@ -398,7 +412,7 @@ class MsrlDockStorageManager(StorageManager):
         if metadata.size == 0:
             return
         keys = [int(i) for i in metadata.global_indexes]
-        await self._call(self.dock.erase, keys, partition=PARTITION, missing_ok=True)
+        await self._call(erase_present, self.dock, keys, PARTITION)
 
     async def save_checkpoint(self, checkpoint_dir: str) -> None:
         await self._call(self.dock.save, PARTITION, Path(checkpoint_dir) / _CHECKPOINT_SUBDIR)
