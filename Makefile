@@ -147,12 +147,15 @@ setup-tq:
 	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/tq.txt
 	$(TQ_VENV)/bin/python -m pip install -q --no-build-isolation .
 
-# pytest's own exit codes fail the target (5: nothing collected); the conftest also fails the run when an
-# upstream file or one backend's tests are missing.
+# Two passes: TQ's files with SimpleStorage and MsrlDock (+ tq_tests), then TQ's key-value file with
+# msrl_core.compat.transfer_queue installed as `transfer_queue` (+ its tests). pytest's own exit codes fail
+# the target (5: nothing collected); the conftest also fails a run that misses an upstream file or backend.
 test-tq: setup-tq
 	e2e=$$($(TQ_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests/e2e; \
 	  MSRL_TQ_UPSTREAM="$(TQ_E2E_FILES)" $(TQ_VENV)/bin/python -m pytest -c tq_tests/pytest.ini \
-	  tq_tests $(addprefix $$e2e/,$(TQ_E2E_FILES))
+	  tq_tests $(addprefix $$e2e/,$(TQ_E2E_FILES)) && \
+	  MSRL_TQ_COMPAT=1 MSRL_TQ_UPSTREAM=test_kv_interface_e2e.py $(TQ_VENV)/bin/python -m pytest \
+	  -c tq_tests/pytest.ini tq_tests $$e2e/test_kv_interface_e2e.py
 
 clean:
 	rm -rf build dist $(VENV) $(VLLM_VENV) $(TQ_VENV)
