@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import msrl_core  # noqa: E402
-from msrl_core.reshard import ModelConfig, Parallel, to_hf  # noqa: E402
+from msrl_core.reshard import Parallel, to_hf  # noqa: E402
+from msrl_core.trainer.config import ModelSection  # noqa: E402
 from msrl_core.trainer.grpo import pack, response_log_probs  # noqa: E402
 from msrl_core.trainer.metrics import StageClock  # noqa: E402
 from msrl_core.trainer.stages import StageError, StageRunner, grpo_stages, make_dock  # noqa: E402
@@ -131,12 +132,17 @@ def test_runner_deadline_when_a_gate_never_opens():
 def test_hf_engine_matches_sampler_over_allgather_swap_views():
     from msrl_core.trainer.engines.hf import HFSampler, HFTrainEngine
 
-    cfg = ModelConfig("llama", 32, 2, 4, 2, 64, vocab_size=18, make_vocab_size_divisible_by=8)
-    eng = HFTrainEngine(cfg, 10000.0, 32, seed=3)
+    section = ModelSection(
+        arch="llama", hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=18, make_vocab_size_divisible_by=8, qkv_bias=False,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    eng = HFTrainEngine(section, seed=3)
+    cfg = eng.model_config
     before = {k: v.detach().clone() for k, v in eng.params.items()}
     plan = to_hf(cfg, Parallel(tp=1))
     flat, views = plan.allocate_inference()
-    sampler = HFSampler(cfg, 10000.0, 32, views)
+    sampler = HFSampler(section, views)
     swap = msrl_core.allgather_swap(eng.params, flat, plan, eng.groups)
     assert all(p.untyped_storage().nbytes() == 0 for p in eng.params.values())  # swapped out
     prompts = [torch.tensor([1, 5, 13, 6, 16]), torch.tensor([1, 7, 13, 16])]  # different lengths: left pad

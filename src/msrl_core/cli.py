@@ -12,11 +12,39 @@ on stderr and a non-zero exit code (2: config/data, 1: run failure, 130: stopped
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
 from msrl_core import __version__
 from msrl_core.runtime import runtime_info
+
+#: What ``msrl train``/``msrl demo`` import, by module, and the distribution that brings it: exactly the
+#: ``train`` extra of pyproject.toml (a test keeps the two equal).
+TRAIN_MODULES = {
+    "torch": "torch",
+    "omegaconf": "omegaconf",
+    "safetensors": "safetensors",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "pyarrow": "pyarrow",
+    "transformers": "transformers",
+    "jinja2": "jinja2",
+    "megatron.core": "megatron-core",
+}
+
+
+def missing_train_modules() -> list[str]:
+    """The distributions of :data:`TRAIN_MODULES` this environment lacks."""
+    missing = []
+    for module, dist in TRAIN_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module stubbed out with None
+            found = False
+        if not found:
+            missing.append(dist)
+    return missing
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    missing = missing_train_modules()
+    if missing:
+        print(
+            f"msrl {args.command}: needs the 'train' extra (missing: {', '.join(missing)}): "
+            "pip install 'msrl_core[train]'",
+            file=sys.stderr,
+        )
+        return 2
     from msrl_core.errors import MsrlError
     from msrl_core.trainer.errors import ConfigError, DataError, RewardError
     from msrl_core.trainer.run import EXIT_INTERRUPTED

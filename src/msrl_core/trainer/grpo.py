@@ -84,8 +84,36 @@ def response_log_probs(
     return lp, (A.entropy_from_logits(at) if entropy else None)
 
 
+def loss_settings(actor: Any) -> dict[str, Any]:
+    """The loss knobs of the actor section, as :func:`msrl_core.trainer.algorithm.actor_loss` takes them."""
+    return {
+        "clip_ratio_low": actor.clip_ratio_low,
+        "clip_ratio_high": actor.clip_ratio_high,
+        "kl_loss_coef": actor.kl_loss_coef,
+        "kl_loss_type": actor.kl_loss_type,
+        "entropy_coeff": actor.entropy_coeff,
+        "loss_agg_mode": actor.loss_agg_mode,
+    }
+
+
 def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
     return [v.detach().cpu().numpy().astype(dtype) for v in values]
+
+
+def on_policy(cfg: Any) -> bool:
+    """Exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy."""
+    return cfg.actor.ppo_epochs == 1 and rows_per_mini_batch(cfg) == rows_per_step(cfg)
+
+
+def stage_table(cfg: Any) -> list[Any]:
+    """The stages of one step for ``cfg`` (:func:`msrl_core.trainer.stages.grpo_stages`)."""
+    return grpo_stages(
+        rows_per_step(cfg),
+        cfg.rollout.n,
+        claim_groups=cfg.rollout.claim_groups,
+        use_reference=cfg.actor.kl_loss_coef != 0.0,
+        recompute_old=not on_policy(cfg),
+    )
 
 
 class RewardWork:
@@ -158,42 +186,35 @@ class GRPOTrainer:
         self.records = records
         self.reward_fn, self._score = reward_fn, score
         self.engine = train_engine
-        self.swap_enabled = bool(cfg.reshard.swap) if swap is None else swap
-        self.n = int(cfg.rollout.n)
+        self.swap_enabled = cfg.reshard.swap if swap is None else swap
+        self.n = cfg.rollout.n
         self.batch_rows = rows_per_step(cfg)
         self.mini_batch_rows = rows_per_mini_batch(cfg)
-        self.temperature = float(cfg.rollout.temperature)
+        self.temperature = cfg.rollout.temperature
         a = cfg.actor
-        # exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy
-        self.on_policy = int(a.ppo_epochs) == 1 and self.mini_batch_rows == self.batch_rows
-        self.use_reference = float(a.kl_loss_coef) != 0.0
+        self.on_policy = on_policy(cfg)
+        self.use_reference = a.kl_loss_coef != 0.0
         self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
-        self.engine.init_optimizer(float(a.lr), float(a.weight_decay))
+        self.engine.init_optimizer(a.lr, a.weight_decay)
         # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
         self.device = train_engine.device  # a torch.device: the engines' tensors live there
         self.plan = to_hf(self.engine.model_config, self.engine.parallel)
         self.flat, self.views = self.plan.allocate_inference(device=self.device)
         self.sampler = sampler_factory(self.views)
-        self.stages = grpo_stages(
-            self.batch_rows,
-            self.n,
-            claim_groups=int(cfg.rollout.claim_groups),
-            use_reference=self.use_reference,
-            recompute_old=not self.on_policy,
-        )
+        self.stages = stage_table(cfg)
         opts = dict(dock_options or {})
         if cfg.dock.backend == "ray" and cfg.dock.ray_address:
             opts.setdefault("ray_address", cfg.dock.ray_address)
         elif cfg.dock.backend == "ray":  # no Ray running: a small loopback one (the dock starts it)
             opts.setdefault("ray_init", LOOPBACK_RAY)
         self.dock = make_dock(
-            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
+            self.stages, self.batch_rows, self.n, cfg.dock.warehouses, backend=cfg.dock.backend, **opts
         )
         work: dict[str, Work] = {
             "rollout": self._rollout,
             "reference": self._reference,
             "rule_reward": RewardWork(records, tokenizer, reward_fn, score, getattr(cfg.reward, "fn", None)),
-            "adv": AdvWork(self.n, bool(cfg.algorithm.norm_adv_by_std)),
+            "adv": AdvWork(self.n, cfg.algorithm.norm_adv_by_std),
             "old_log_p": self._old_log_p,
             "update": self._update,
         }
@@ -201,7 +222,7 @@ class GRPOTrainer:
             self.dock,
             self.stages,
             work,
-            deadline_s=float(cfg.trainer.step_timeout_s),
+            deadline_s=cfg.trainer.step_timeout_s,
             remote=cfg.dock.backend == "ray",
         )
         self.step_index = 0
@@ -217,11 +238,11 @@ class GRPOTrainer:
         r = self.cfg.rollout
         toks, lps = self.sampler.generate(
             prompts,
-            int(r.max_response_length),
+            r.max_response_length,
             self.tok.eos_id,
             self.tok.pad_id,
             self.temperature,
-            float(r.top_p),
+            r.top_p,
             self._gen,
         )
         return {"responses": _ragged_out(toks, np.int64), "rollout_log_prob": _ragged_out(lps, np.float32)}
@@ -248,8 +269,8 @@ class GRPOTrainer:
         rollout_lp = padded(batch["rollout_log_prob"], R).to(dev)
         ref_lp = padded(batch["ref_log_prob"], R).to(dev) if self.use_reference else None
         old_lp = None if self.on_policy else padded(batch["old_log_prob"], R).to(dev)
-        order = A.mini_batches(len(adv), self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
-        micro = int(a.micro_batch_size)
+        order = A.mini_batches(len(adv), self.mini_batch_rows, a.ppo_epochs, seed=self._step_seed())
+        micro = a.micro_batch_size
         sums: dict[str, list[float]] = {}
         first_old = torch.zeros_like(rollout_lp)
         for mb_i, mb in enumerate(order):
@@ -273,12 +294,7 @@ class GRPOTrainer:
                     adv[rows],
                     pk.mask[rows],
                     ent,
-                    clip_ratio_low=float(a.clip_ratio_low),
-                    clip_ratio_high=float(a.clip_ratio_high),
-                    kl_loss_coef=float(a.kl_loss_coef),
-                    kl_loss_type=str(a.kl_loss_type),
-                    entropy_coeff=float(a.entropy_coeff),
-                    loss_agg_mode=str(a.loss_agg_mode),
+                    **loss_settings(a),
                     num_tokens=ntok,
                     num_seqs=nseq,
                 )
@@ -287,7 +303,7 @@ class GRPOTrainer:
                 loss.backward()
                 for k, v in m.items():  # micro-batch shares: they sum to the mini-batch's value
                     acc[k] = acc.get(k, 0.0) + v
-            acc["actor/grad_norm"] = self.engine.clip_and_step(float(a.clip_grad))
+            acc["actor/grad_norm"] = self.engine.clip_and_step(a.clip_grad)
             for k, v in acc.items():
                 sums.setdefault(k, []).append(v)
         trainer_lp = first_old if old_lp is None else old_lp
@@ -301,7 +317,7 @@ class GRPOTrainer:
     # ---- weights ------------------------------------------------------------------------------------
 
     def _switch_to_rollout(self, swap: bool) -> Any:
-        return self.engine.switch(self.flat, self.plan, int(self.cfg.reshard.bucket_mb) << 20, swap)
+        return self.engine.switch(self.flat, self.plan, self.cfg.reshard.bucket_mb << 20, swap)
 
     def _weights_back(self) -> None:
         self.engine.switch_back()
@@ -315,7 +331,7 @@ class GRPOTrainer:
     # ---- one step ------------------------------------------------------------------------------------
 
     def _step_seed(self) -> int:
-        return int(self.cfg.trainer.seed) * 100_003 + self.step_index
+        return self.cfg.trainer.seed * 100_003 + self.step_index
 
     def step(self, batch_records: list[dict], val_records: list[dict] | None = None) -> dict[str, float]:
         """One GRPO iteration over ``batch_records`` (each with ``"_row"``, its index in ``records``).
@@ -388,7 +404,7 @@ class GRPOTrainer:
             prompts = [torch.as_tensor(self.tok.encode(x["prompt"])) for x in chunk]
             toks, _ = self.sampler.generate(
                 prompts,
-                int(r.max_response_length),
+                r.max_response_length,
                 self.tok.eos_id,
                 self.tok.pad_id,
                 1.0,

@@ -20,50 +20,68 @@ import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, to_hf
 from msrl_core.reshard.reference import megatron_to_hf
 from msrl_core.reshard.steps import current_stream
+from msrl_core.trainer.config import model_config
 from msrl_core.trainer.engines import torch_device
 
 
-def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int, device: Any = "cpu") -> Any:
-    """A transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3) with its parameters on the
-    meta device (every forward supplies them) and its buffers on ``device``."""
+def hf_config(model: Any) -> Any:
+    """The transformers config of the trainer's model section (``cfg.model``: the one model description):
+    the same norm epsilon, RoPE base and positions every engine uses."""
     import transformers as tf
 
-    c: Any
-    cls: Any
+    mc = model_config(model)
     common: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hd,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_attention_heads,
+        num_key_value_heads=mc.num_key_value_heads,
+        head_dim=mc.hd,
+        rms_norm_eps=model.norm_epsilon,
+        max_position_embeddings=model.max_position_embeddings,
+        tie_word_embeddings=mc.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
+        dtype=mc.dtype,
     )
-    if cfg.arch == "qwen2":
-        c, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif cfg.arch == "qwen3":
-        c, cls = tf.Qwen3Config(attention_bias=cfg.qkv_bias, **common), tf.Qwen3ForCausalLM
-    elif cfg.arch == "llama":
-        c, cls = tf.LlamaConfig(attention_bias=cfg.qkv_bias, mlp_bias=False, **common), tf.LlamaForCausalLM
-    else:
-        raise ValueError(f"model.arch {cfg.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
+    if mc.arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if mc.arch == "qwen3":
+        return tf.Qwen3Config(attention_bias=mc.qkv_bias, **common)
+    if mc.arch == "llama":
+        return tf.LlamaConfig(attention_bias=mc.qkv_bias, mlp_bias=False, **common)
+    raise ValueError(f"model.arch {mc.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
+
+
+def transformers_model(model: Any, device: Any = "cpu") -> Any:
+    """A transformers model of the model section ``model`` (llama / qwen2 / qwen3) with its parameters on
+    the meta device (every forward supplies them) and its buffers on ``device``."""
+    import transformers as tf
+
+    c = hf_config(model)
     c._attn_implementation = "eager"
     # parameters stay on the meta device (every forward supplies them); buffers (rotary frequencies) are
     # rebuilt on the device by constructing their owning modules there
     with torch.device("meta"):
-        model = cls(c)
-    for mod in list(model.modules()):
+        net = tf.AutoModelForCausalLM.from_config(c)
+    for mod in list(net.modules()):
         metas = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if metas:
             with torch.device(device):
                 fresh = type(mod)(mod.config)
             for n in metas:
                 setattr(mod, n, getattr(fresh, n))
-    return model.eval()
+    return net.eval()
+
+
+def initial_params(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """The TP-1 Megatron-layout starting weights: the checkpoint at ``model.path`` (through the reshard
+    plan run in reverse), else seeded random ones (:func:`init_megatron_params`)."""
+    if model.path:
+        from msrl_core.trainer.hf_dir import load_megatron_shard
+
+        return load_megatron_shard(model, Parallel(tp=1), rank=0)
+    return init_megatron_params(model_config(model), seed)
 
 
 def init_megatron_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -99,23 +117,21 @@ class HFTrainEngine:
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        rope_theta: float,
-        max_positions: int,
+        model: Any,
         seed: int,
         params: dict[str, torch.Tensor] | None = None,
         trainable: bool = True,
         device: str = "cpu",
     ) -> None:
-        self.model_config = cfg
+        self.section = model  # cfg.model
+        self.model_config = model_config(model)
         self.parallel = Parallel(tp=1)
         self.groups: dict[str, Any] = {"tp": None, "pp": None, "ep": None}
-        self._rope_theta, self._max_positions = rope_theta, max_positions
         self.device_name = device
         self.device = torch_device(device)
-        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
+        self.model = transformers_model(model, self.device)
         if params is None:  # initialised on the CPU (the same weights on every device), then moved
-            params = {k: v.to(self.device) for k, v in init_megatron_params(cfg, seed).items()}
+            params = {k: v.to(self.device) for k, v in initial_params(model, seed).items()}
         self.params = params
         for p in self.params.values():
             p.requires_grad_(trainable)
@@ -170,15 +186,16 @@ class HFTrainEngine:
     def save_followers(self, step: int) -> None:
         """No other ranks (TP 1)."""
 
+    def load_followers(self, path: Any) -> None:
+        """No other ranks (TP 1)."""
+
     def close(self) -> None:
         """Nothing to stop."""
 
     def frozen_copy(self) -> HFTrainEngine:
         params = {k: v.detach().clone() for k, v in self.params.items()}
         return HFTrainEngine(
-            self.model_config,
-            self._rope_theta,
-            self._max_positions,
+            self.section,
             0,
             params=params,
             trainable=False,
@@ -202,18 +219,11 @@ class HFSampler:
     ``allgather_swap`` fills. Batched sampling with left padding; returns the log-probs of the sampled
     tokens under the temperature-scaled distribution (what the trainer recomputes)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        rope_theta: float,
-        max_positions: int,
-        views: dict[str, Any],
-        device: str = "cpu",
-    ):
+    def __init__(self, model: Any, views: dict[str, Any], device: str = "cpu"):
         self.device = torch_device(device)
-        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
+        self.model = transformers_model(model, self.device)
         self.views = dict(views)
-        if cfg.tie_word_embeddings:
+        if model.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
 
     def on_switch(self) -> None:

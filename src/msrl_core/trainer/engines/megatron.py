@@ -33,8 +33,48 @@ from msrl_core.reshard.steps import current_stream
 from msrl_core.trainer.engines import megatron_cpu
 
 # operation codes of the rank-0 -> follower protocol
-_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE = range(11)
-_HDR = 8  # header: [op, model, ndim, d0, d1, d2, arg0, arg1]
+_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE, _LOAD = range(12)
+# The header: 8 int64 fields [op, model, ndim, d0, d1, d2, int0, int1] and 2 float64 fields [f0, f1] (stored
+# bit for bit in the same int64 tensor: a float travels as a float, never scaled to an integer).
+_HDR_INTS, _HDR_FLOATS = 8, 2
+_HDR = _HDR_INTS + _HDR_FLOATS
+
+
+def pack_header(
+    op: int,
+    model: int = 0,
+    shape: tuple[int, ...] = (),
+    ints: tuple[int, int] = (0, 0),
+    floats: tuple[float, float] = (0.0, 0.0),
+) -> torch.Tensor:
+    """The fixed binary header of one operation (see ``_HDR_INTS``/``_HDR_FLOATS``)."""
+    if len(shape) > 3:
+        raise ValueError(f"an operation's tensor has at most 3 dims; got shape {shape}")
+    hdr = torch.zeros(_HDR, dtype=torch.int64)
+    hdr[0], hdr[1], hdr[2] = op, model, len(shape)
+    for i, d in enumerate(shape):
+        hdr[3 + i] = d
+    hdr[6], hdr[7] = ints
+    hdr[_HDR_INTS:] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+    return hdr
+
+
+def unpack_header(
+    hdr: torch.Tensor,
+) -> tuple[int, int, tuple[int, ...], tuple[int, int], tuple[float, float]]:
+    """(op, model, shape, ints, floats) of a header from :func:`pack_header`."""
+    hdr = hdr.cpu()
+    nd = int(hdr[2])
+    f = hdr[_HDR_INTS:].clone().view(torch.float64)
+    return (
+        int(hdr[0]),
+        int(hdr[1]),
+        tuple(int(x) for x in hdr[3 : 3 + nd]),
+        (int(hdr[6]), int(hdr[7])),
+        (float(f[0]), float(f[1])),
+    )
+
+
 PG_TIMEOUT_S = 120
 
 
@@ -63,8 +103,9 @@ def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") ->
     )
 
 
-def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None) -> Any:
-    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``) on
+def build_gpt(model: Any, tp: int, seed: int, device: Any = None) -> Any:
+    """A megatron-core ``GPTModel`` of the model section ``model`` (``cfg.model``: its norm epsilon, RoPE
+    base and positions as they are) for this rank (model-parallel state initialised for ``tp``) on
     ``device`` (default: CPU; an accelerator must be the current device, see ``torch_device``): megatron-core
     initialises it there itself (its RoPE frequencies follow ``use_cpu_initialization``)."""
     import torch.nn.functional as F
@@ -81,6 +122,9 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None)
         from megatron.core.transformer import TransformerConfig
 
     from msrl_core.reshard.layout import megatron_padded_vocab
+    from msrl_core.trainer.config import model_config
+
+    mc = model_config(model)
 
     if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp:
         if ps.model_parallel_is_initialized():
@@ -106,7 +150,7 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None)
         add_qkv_bias=mc.qkv_bias,
         qk_layernorm=mc.qk_norm,
         normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.model.norm_epsilon),
+        layernorm_epsilon=model.norm_epsilon,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -126,12 +170,12 @@ def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None)
             tc,
             spec,
             vocab_size=megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, tp),
-            max_sequence_length=int(cfg.model.max_position_embeddings),
+            max_sequence_length=model.max_position_embeddings,
             pre_process=True,
             post_process=True,
             share_embeddings_and_output_weights=mc.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=int(cfg.model.rope_theta),
+            rotary_base=model.rope_theta,  # a float (Qwen's 1e6, Llama 3's 500000.0) as it is
             parallel_output=False,
         )
     return model.to(device)
@@ -162,7 +206,7 @@ class MegatronTrainEngine:
 
         from msrl_core.trainer.engines import process_group_backend, torch_device
 
-        tp, pp, ep = int(cfg.actor.tp), int(cfg.actor.pp), int(cfg.actor.ep)
+        tp, pp, ep = cfg.actor.tp, cfg.actor.pp, cfg.actor.ep
         if pp != 1 or ep != 1:
             raise NotImplementedError(
                 f"the Megatron engine of this trainer supports tensor parallelism only; got actor.pp={pp}, "
@@ -178,7 +222,7 @@ class MegatronTrainEngine:
             self._procs = _spawn_followers(cfg, seed, tp, port, device)
         init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_gpt(mc, cfg, tp, seed, self.device))]
+        self._models = [_Model(build_gpt(cfg.model, tp, seed, self.device))]
         self.module = self._models[0].module
         from megatron.core import parallel_state as ps
 
@@ -197,15 +241,16 @@ class MegatronTrainEngine:
         return self.parallel.tp
 
     def _announce(
-        self, op: int, model: int = 0, shape: tuple[int, ...] = (), a0: int = 0, a1: int = 0
+        self,
+        op: int,
+        model: int = 0,
+        shape: tuple[int, ...] = (),
+        ints: tuple[int, int] = (0, 0),
+        floats: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         if self.world == 1 or self.rank != 0:
             return
-        hdr = torch.zeros(_HDR, dtype=torch.int64)
-        hdr[0], hdr[1], hdr[2] = op, model, len(shape)
-        for i, d in enumerate(shape):
-            hdr[3 + i] = d
-        hdr[6], hdr[7] = a0, a1
+        hdr = pack_header(op, model, shape, ints, floats)
         self._dist.broadcast(hdr.to(self.device), src=0, group=self.tp_group)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
@@ -216,10 +261,8 @@ class MegatronTrainEngine:
     def serve(self) -> None:
         """Follower loop: run rank 0's operations until it sends STOP."""
         while True:
-            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device)).cpu()
-            op, model, nd = int(hdr[0]), int(hdr[1]), int(hdr[2])
-            shape = tuple(int(x) for x in hdr[3 : 3 + nd])
-            a0, a1 = int(hdr[6]), int(hdr[7])
+            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device))
+            op, model, shape, (a0, a1), (f0, f1) = unpack_header(hdr)
             if op == _STOP:
                 return
             m = self._models[model]
@@ -237,9 +280,9 @@ class MegatronTrainEngine:
             elif op == _ZERO:
                 m.optimizer.zero_grad(set_to_none=True)
             elif op == _STEP:
-                self._clip_and_step(m, a0 / 1e6)
+                self._clip_and_step(m, f0)
             elif op == _OPT:
-                self._make_optimizer(m, a0 / 1e12, a1 / 1e12)
+                self._make_optimizer(m, f0, f1)
             elif op == _SWITCH:
                 self._switch(bool(a0), a1)
             elif op == _BACK:
@@ -248,6 +291,9 @@ class MegatronTrainEngine:
                 self._clone()
             elif op == _SAVE:
                 self._save_follower(a0)
+            elif op == _LOAD:
+                path = self._bcast(torch.zeros(shape, dtype=torch.uint8, device=self.device))
+                self._load_follower(bytes(path.cpu().tolist()).decode())
 
     def close(self) -> None:
         """Stop the followers (rank 0)."""
@@ -310,9 +356,9 @@ class MegatronTrainEngine:
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_gpt(  # process groups: no deepcopy
-            self.model_config, self.cfg, self.parallel.tp, self.seed, self.device
-        )
+        ref = build_gpt(
+            self.cfg.model, self.parallel.tp, self.seed, self.device
+        )  # process groups: no deepcopy
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -333,6 +379,18 @@ class MegatronTrainEngine:
             None,
             None,
         )
+        self._dist.barrier(group=self.tp_group)
+
+    def _load_follower(self, path: str) -> None:
+        from pathlib import Path
+
+        from msrl_core.trainer import checkpoint as ckpt
+
+        state, opt, _ = ckpt.load(Path(path), self.rank)
+        _load(self.module, {k[7:]: v for k, v in state.items() if k.startswith("policy/")})
+        if len(self._models) > 1:
+            _load(self._models[1].module, {k[4:]: v for k, v in state.items() if k.startswith("ref/")})
+        self._models[0].optimizer.load_state_dict(opt)
         self._dist.barrier(group=self.tp_group)
 
     # ---- the TrainEngine interface (rank 0) -------------------------------------------------------------
@@ -368,7 +426,7 @@ class MegatronTrainEngine:
 
     def init_optimizer(self, lr: float, weight_decay: float) -> None:
         with self._lock:
-            self._announce(_OPT, 0, (), int(round(lr * 1e12)), int(round(weight_decay * 1e12)))
+            self._announce(_OPT, floats=(lr, weight_decay))
             self._make_optimizer(self._models[0], lr, weight_decay)
 
     def zero_grad(self) -> None:
@@ -378,13 +436,13 @@ class MegatronTrainEngine:
 
     def clip_and_step(self, max_norm: float) -> float:
         with self._lock:
-            self._announce(_STEP, 0, (), int(round(max_norm * 1e6)))
+            self._announce(_STEP, floats=(max_norm, 0.0))
             return self._clip_and_step(self._models[0], max_norm)
 
     def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
         """``allgather_swap`` of this rank's shard into rank 0's HF-layout ``flat`` buffer (every rank)."""
         with self._lock:
-            self._announce(_SWITCH, 0, (), int(swap), bucket_bytes)
+            self._announce(_SWITCH, ints=(int(swap), bucket_bytes))
             self._infer, self._infer_plan = flat, plan
             return self._switch(swap, bucket_bytes)
 
@@ -403,7 +461,16 @@ class MegatronTrainEngine:
         """Followers write their shards of the checkpoint of ``step`` (into its temporary directory)."""
         if self.world > 1:
             with self._lock:
-                self._announce(_SAVE, 0, (), step)
+                self._announce(_SAVE, ints=(step, 0))
+                self._dist.barrier(group=self.tp_group)
+
+    def load_followers(self, path: str | os.PathLike[str]) -> None:
+        """Followers load their shards (policy, reference, optimizer) of the checkpoint at ``path``."""
+        if self.world > 1:
+            data = torch.tensor(list(os.fsencode(os.fspath(path))), dtype=torch.uint8)
+            with self._lock:
+                self._announce(_LOAD, 0, tuple(data.shape))
+                self._bcast(data.to(self.device))
                 self._dist.barrier(group=self.tp_group)
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -455,9 +522,10 @@ def _load(module: Any, state: dict[str, Any]) -> None:
 
 def _spawn_followers(cfg: Any, seed: int, world: int, port: int, device: str) -> Any:
     import torch.multiprocessing as mp
-    from omegaconf import OmegaConf
 
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    from msrl_core.trainer.config import to_yaml
+
+    text = to_yaml(cfg)
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_follower_main, args=(r, world, port, text, seed, device), daemon=True)
@@ -482,10 +550,8 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
+    from msrl_core.trainer.config import from_yaml, model_config
 
-    from msrl_core.trainer.config import model_config
-
-    cfg: Any = OmegaConf.create(cfg_yaml)
-    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port, device=device)
+    cfg = from_yaml(cfg_yaml)
+    engine = MegatronTrainEngine(cfg, model_config(cfg.model), seed, rank=rank, port=port, device=device)
     engine.serve()
