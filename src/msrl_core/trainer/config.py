@@ -133,7 +133,7 @@ class DataSection:
     train_files: str | None = None  # required (the demo writes its generated task and sets it)
     val_files: str | None = None  # None: hold out val_fraction of train_files
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str | None = None  # None: "answer", else verl's "reward_model.ground_truth"
     global_batch_size: int = 8  # prompts per step
     seed: int = 1
     val_fraction: float = 0.1

@@ -29,6 +29,7 @@ from msrl_core.reshard import to_hf
 from msrl_core.trainer import algorithm as A
 from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
 from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
+from msrl_core.trainer.reward import score_record
 from msrl_core.trainer.stages import StageRunner, Work, grpo_stages, make_dock
 
 
@@ -118,19 +119,26 @@ def stage_table(cfg: Any) -> list[Any]:
 
 class RewardWork:
     """The rule_reward stage: scores each row's decoded response with the reward function against its
-    record's answer. Picklable, so a Ray stage actor can run it: only ``(prompt, answer)`` of the records
-    travel, and the reward function is imported again from ``spec`` (``reward.fn``) inside the actor."""
+    record (:func:`msrl_core.trainer.reward.score_record`: this trainer's signature or verl's), and reports a
+    dict reward's extra entries as ``reward/<key>/mean``. Picklable, so a Ray stage actor can run it: only
+    the fields a reward takes travel, and the reward function is imported again from ``spec``
+    (``reward.fn``) inside the actor."""
 
-    def __init__(self, records: list[dict], tokenizer: Any, fn: Any, score: Any, spec: str | None) -> None:
-        self.items = [(r["prompt"], r["answer"]) for r in records]
-        self.tok, self.fn, self.score, self.spec = tokenizer, fn, score, spec
+    FIELDS = ("prompt", "answer", "data_source", "extra_info")
 
-    def __call__(self, batch: Any) -> dict[str, Any]:
-        scores = []
+    def __init__(self, records: list[dict], tokenizer: Any, fn: Any, spec: str | None) -> None:
+        self.items = [{k: r[k] for k in self.FIELDS if k in r} for r in records]
+        self.tok, self.fn, self.spec = tokenizer, fn, spec
+
+    def __call__(self, batch: Any) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        scores: list[float] = []
+        extras: dict[str, list[float]] = {}
         for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
-            prompt, answer = self.items[i]
-            scores.append(self.score(self.fn, prompt, self.tok.decode(r), answer))
-        return {"scores": np.asarray(scores, dtype=np.float32)}
+            value, extra = score_record(self.fn, self.items[i], self.tok.decode(r))
+            scores.append(value)
+            for k, v in extra.items():
+                extras.setdefault(f"reward/{k}/mean", []).append(v)
+        return {"scores": np.asarray(scores, dtype=np.float32)}, extras
 
     def __getstate__(self) -> dict[str, Any]:
         if self.spec is None:
@@ -165,9 +173,10 @@ class GRPOTrainer:
     """Engines, optimizer, dock and stage table of one run.
 
     ``records``: the training prompts (``{"prompt", "answer", ...}``); rows carry their position in this
-    list through the dock's ``index`` column. ``reward_fn(prompt, response, answer) -> float`` is called
-    through ``score`` (which names the function and the prompt when it fails). ``sampler_factory(views)``
-    builds the rollout engine over the HF-layout views that ``allgather_swap`` fills.
+    list through the dock's ``index`` column. ``reward_fn`` is called through
+    :func:`msrl_core.trainer.reward.score_record` (either signature; failures name the function and the
+    prompt). ``sampler_factory(views)`` builds the rollout engine over the HF-layout views that
+    ``allgather_swap`` fills.
     """
 
     def __init__(
@@ -176,7 +185,6 @@ class GRPOTrainer:
         tokenizer: Any,
         records: list[dict],
         reward_fn: Any,
-        score: Any,
         train_engine: Any,
         sampler_factory: Any,
         swap: bool | None = None,
@@ -184,7 +192,7 @@ class GRPOTrainer:
     ) -> None:
         self.cfg, self.tok = cfg, tokenizer
         self.records = records
-        self.reward_fn, self._score = reward_fn, score
+        self.reward_fn = reward_fn
         self.engine = train_engine
         self.swap_enabled = cfg.reshard.swap if swap is None else swap
         self.n = cfg.rollout.n
@@ -213,7 +221,7 @@ class GRPOTrainer:
         work: dict[str, Work] = {
             "rollout": self._rollout,
             "reference": self._reference,
-            "rule_reward": RewardWork(records, tokenizer, reward_fn, score, getattr(cfg.reward, "fn", None)),
+            "rule_reward": RewardWork(records, tokenizer, reward_fn, cfg.reward.fn),
             "adv": AdvWork(self.n, cfg.algorithm.norm_adv_by_std),
             "old_log_p": self._old_log_p,
             "update": self._update,
@@ -239,7 +247,7 @@ class GRPOTrainer:
         toks, lps = self.sampler.generate(
             prompts,
             r.max_response_length,
-            self.tok.eos_id,
+            self.tok.eos_ids,
             self.tok.pad_id,
             self.temperature,
             r.top_p,
@@ -367,7 +375,7 @@ class GRPOTrainer:
                 metrics["val/score/mean"] = self.validate(val_records)
                 metrics["timing/val"] = time.perf_counter() - t
             # 2. prompts in: one group of n rows per prompt
-            prompts = [np.asarray(self.tok.encode(r["prompt"]), np.int64) for r in batch_records]
+            prompts = [r["prompt_ids"] for r in batch_records]  # tokenized once, when the data was read
             self.dock.put(
                 {
                     "prompts": [p for p in prompts for _ in range(self.n)],
@@ -382,6 +390,7 @@ class GRPOTrainer:
         scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
         total = time.perf_counter() - t_all - metrics.get("timing/val", 0.0)  # the step without validation
         metrics.update(self._upd_metrics)
+        metrics.update(self.runner.metric_means())  # e.g. a dict reward's reward/<key>/mean
         metrics["grpo/score/mean"] = float(np.mean(scores))
         metrics["timing/resharding_to_train"] = back_s[0]
         metrics.update(overlap_timings(clock.intervals(), total))
@@ -401,11 +410,11 @@ class GRPOTrainer:
         r = self.cfg.rollout
         for s in range(0, len(records), 64):
             chunk = records[s : s + 64]
-            prompts = [torch.as_tensor(self.tok.encode(x["prompt"])) for x in chunk]
+            prompts = [torch.as_tensor(x["prompt_ids"]) for x in chunk]
             toks, _ = self.sampler.generate(
                 prompts,
                 r.max_response_length,
-                self.tok.eos_id,
+                self.tok.eos_ids,
                 self.tok.pad_id,
                 1.0,
                 1.0,
@@ -413,7 +422,7 @@ class GRPOTrainer:
                 greedy=True,
             )
             for x, t in zip(chunk, toks):
-                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t.tolist()), x["answer"])
+                total += score_record(self.reward_fn, x, self.tok.decode(t.tolist()))[0]
         return total / max(1, len(records))
 
     def close(self) -> None:

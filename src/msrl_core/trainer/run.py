@@ -21,7 +21,7 @@ from msrl_core.trainer import checkpoint as ckpt
 from msrl_core.trainer.config import TrainerConfig, model_config, save_config, to_yaml, validate
 from msrl_core.trainer.data import PromptLoader, load_prompts, split
 from msrl_core.trainer.errors import ConfigError, DataError
-from msrl_core.trainer.reward import load_reward_fn, score
+from msrl_core.trainer.reward import load_reward_fn
 from msrl_core.trainer.task import CharTokenizer
 
 #: Exit code of a run stopped by Ctrl-C (the shell's 128 + SIGINT).
@@ -87,15 +87,28 @@ def load_data(cfg: TrainerConfig) -> tuple[list[dict], list[dict]]:
     return [dict(r, _row=i) for i, r in enumerate(train)], val
 
 
-def check_tokenizable(tok: CharTokenizer, cfg: Any, records: list[dict], what: str) -> None:
-    """Every prompt encodes and fits ``rollout.max_prompt_length`` (the message names the record)."""
+def load_tokenizer(cfg: TrainerConfig) -> Any:
+    """The checkpoint's tokenizer (``model.path``), or the built-in character tokenizer of a model built in
+    code (the demo task's alphabet)."""
+    if cfg.model.path:
+        from msrl_core.trainer.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(cfg.model.path)
+    return CharTokenizer()
+
+
+def encode_prompts(tok: Any, cfg: Any, records: list[dict], what: str) -> None:
+    """Tokenize every prompt once (``record["prompt_ids"]``); each must encode (chat messages need a chat
+    template) and fit ``rollout.max_prompt_length`` (the message names the record)."""
     limit = cfg.rollout.max_prompt_length
     for r in records:
         where = f"{what} record {r.get('index', '?')} (prompt {str(r['prompt'])[:40]!r})"
         try:
-            n = len(tok.encode(str(r["prompt"])))
-        except ValueError as e:
+            ids = np.asarray(tok.encode(r["prompt"]), np.int64)
+        except (ValueError, DataError) as e:
             raise DataError(f"{where}: {e}") from None
+        r["prompt_ids"] = ids
+        n = len(ids)
         if n > limit:
             raise DataError(f"{where}: {n} tokens exceed rollout.max_prompt_length={limit}")
 
@@ -179,13 +192,13 @@ def open_session(
     save_config(cfg, run_dir)
     log(f"run directory: {run_dir}")
     train_records, val_records = load_data(cfg)
-    tok = CharTokenizer()
+    tok = load_tokenizer(cfg)
     if cfg.model.vocab_size < tok.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens"
         )
-    check_tokenizable(tok, cfg, train_records, "training")
-    check_tokenizable(tok, cfg, val_records, "validation")
+    encode_prompts(tok, cfg, train_records, "training")
+    encode_prompts(tok, cfg, val_records, "validation")
     reward_fn = load_reward_fn(cfg.reward.fn)
     device = resolve_device(cfg)  # before any engine is built
     make_sampler = sampler_factory(cfg, device)  # a missing rollout engine fails here too
@@ -197,7 +210,7 @@ def open_session(
         before_training(engine, tok, train_records)
     loader = PromptLoader(train_records, cfg.data.global_batch_size, cfg.data.seed)
     trainer = GRPOTrainer(
-        cfg, tok, train_records, reward_fn, score, engine, make_sampler, swap=swap, dock_options=dock_options
+        cfg, tok, train_records, reward_fn, engine, make_sampler, swap=swap, dock_options=dock_options
     )
     rank = getattr(engine, "rank", 0)
     return Session(cfg, run_dir, tok, train_records, val_records, engine, trainer, loader, rank)

@@ -107,8 +107,11 @@ def make_dock(stages: list[StageSpec], batch_rows: int, group_size: int, warehou
     )
 
 
-Work = Callable[[Any], "Mapping[str, Any] | None"]
+#: A stage's work: a fetched batch -> the columns it writes (or None when it writes none), or a pair
+#: ``(outputs, metrics)`` whose metrics map a name to per-row values (the step reports their mean).
+Work = Callable[[Any], Any]
 Record = Callable[[str, float, float], None]
+Report = Callable[[Mapping[str, Any]], None]
 
 
 def work_loop(
@@ -118,6 +121,7 @@ def work_loop(
     record: Record,
     count: Callable[[str], None],
     check: Callable[[], None],
+    report: Report | None = None,
 ) -> None:
     """One stage's iteration: claim whole groups as they become ready, fetch what it reads, run ``work``,
     put what it writes, until it has consumed every row. ``check()`` raises to stop (deadline, another
@@ -135,6 +139,10 @@ def work_loop(
         batch = dock.fetch(meta, list(spec.reads))
         count("fetch")
         out = work(batch)
+        if isinstance(out, tuple):
+            out, metrics = out
+            if report is not None:
+                report(metrics)
         if spec.writes:
             if out is None:
                 raise RuntimeError(f"stage {spec.name} returned nothing; it must write {spec.writes}")
@@ -168,6 +176,7 @@ class StageRunner:
             raise ValueError(f"stage placements {bad} are not among {PLACEMENTS}")
         self.dock, self.stages, self.work, self.deadline_s = dock, stages, work, deadline_s
         self.counts: dict[str, int] = {}  # dock operations of the last run() (the trainer's own count)
+        self.metrics: dict[str, list[float]] = {}  # per-row values the stages' work reported, last run()
         self._count_lock = threading.Lock()
         self.on_done: dict[str, Callable[[], None]] = {}
         self.actors: dict[str, Any] = {}
@@ -190,6 +199,7 @@ class StageRunner:
         :class:`StageError`."""
         stop = threading.Event()
         self.counts = {"put": 1, "claim": 0, "fetch": 0}  # the driver's put of the prompts
+        self.metrics = {}
         errors: list[StageError] = []
         deadline = time.monotonic() + self.deadline_s
 
@@ -206,6 +216,7 @@ class StageRunner:
                     clock.add,
                     self._count,
                     lambda: self._check(spec, stop, deadline),
+                    self._report,
                 )
                 hook = self.on_done.get(spec.name)
                 if hook is not None:
@@ -265,10 +276,20 @@ class StageRunner:
                 clock.add(name, start, end)
             for op, n in out["counts"].items():
                 self._count(op, n)
+            self._report(out.get("metrics", {}))
 
     def _count(self, op: str, n: int = 1) -> None:
         with self._count_lock:
             self.counts[op] = self.counts.get(op, 0) + n
+
+    def _report(self, metrics: Mapping[str, Any]) -> None:
+        with self._count_lock:
+            for k, v in metrics.items():
+                self.metrics.setdefault(k, []).extend(float(x) for x in v)
+
+    def metric_means(self) -> dict[str, float]:
+        """The mean of every metric the stages reported in the last :meth:`run`."""
+        return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
 
     def _check(self, spec: StageSpec, stop: threading.Event, deadline: float) -> None:
         if stop.is_set():
@@ -298,6 +319,11 @@ class StageActor:
         deadline = time.monotonic() + deadline_s
         spans: list[tuple[float, float]] = []
         counts: dict[str, int] = {}
+        metrics: dict[str, list[float]] = {}
+
+        def report(m: Mapping[str, Any]) -> None:
+            for k, v in m.items():
+                metrics.setdefault(k, []).extend(float(x) for x in v)
 
         def check() -> None:
             if self._stop.is_set():
@@ -309,12 +335,14 @@ class StageActor:
             counts[op] = counts.get(op, 0) + 1
 
         try:
-            work_loop(self.dock, self.spec, self.work, lambda _, a, b: spans.append((a, b)), count, check)
+            work_loop(
+                self.dock, self.spec, self.work, lambda _, a, b: spans.append((a, b)), count, check, report
+            )
         except _Stopped:
             pass
         except BaseException as e:
             return {"error": _portable(e), "tb": traceback.format_exc()}
-        return {"spans": spans, "counts": counts}
+        return {"spans": spans, "counts": counts, "metrics": metrics}
 
     def stop(self) -> None:
         self._stop.set()

@@ -39,7 +39,7 @@ def format_warmup(
         ai = rng.integers(0, len(answer_set), size=batch_size)
         ps = [np.asarray(tokenizer.encode(prompts[i]), np.int64) for i in pi]
         rs = [
-            np.asarray(tokenizer.encode(answer_set[j], bos=False) + [tokenizer.eos_id], np.int64) for j in ai
+            np.asarray(tokenizer.encode_response(answer_set[j]) + [tokenizer.eos_id], np.int64) for j in ai
         ]
         pk = pack(ps, rs, tokenizer.pad_id)
         logits = engine.logits(pk.tokens)

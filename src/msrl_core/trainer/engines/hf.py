@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -238,15 +239,15 @@ class HFSampler:
         self,
         prompts: list[torch.Tensor],
         max_new: int,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         temperature: float,
         top_p: float,
         generator: torch.Generator | None,
         greedy: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sample up to ``max_new`` tokens per prompt (stops at ``eos_id``, which is kept). Returns per row
-        the response tokens and their log-probs."""
+        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
+        several). Returns per row the response tokens and their log-probs."""
         B = len(prompts)
         plen = max(len(p) for p in prompts)
         dev = self.device
@@ -256,6 +257,7 @@ class HFSampler:
             tokens[i, plen - len(p) :] = p
             mask[i, plen - len(p) :] = 1
         tokens, mask = tokens.to(dev), mask.to(dev)
+        eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.int64, device=dev)
         out_tok, out_lp = [], []
@@ -277,9 +279,10 @@ class HFSampler:
             out_tok.append(nxt)
             out_lp.append(lp)
             lengths += (~done).long()
-            done |= nxt == eos_id
+            ended = torch.isin(nxt, eos)
+            done |= ended
             tokens = torch.cat([tokens, nxt[:, None]], 1)
-            mask = torch.cat([mask, (~done | (nxt == eos_id)).long()[:, None]], 1)
+            mask = torch.cat([mask, (~done | ended).long()[:, None]], 1)
             if bool(done.all()):
                 break
         toks, lps = torch.stack(out_tok, 1), torch.stack(out_lp, 1)

@@ -148,7 +148,7 @@ class VLLMSampler:
         self,
         prompts: list[torch.Tensor],
         max_new: int,
-        eos_id: int,
+        eos_id: Any,
         pad_id: int,
         temperature: float,
         top_p: float,
@@ -171,7 +171,7 @@ class VLLMSampler:
                 temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new,
-                stop_token_ids=[eos_id],
+                stop_token_ids=[eos_id] if isinstance(eos_id, int) else list(eos_id),
                 logprobs=0,
                 seed=s,
             )
