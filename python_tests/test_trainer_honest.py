@@ -112,13 +112,15 @@ def test_norm_epsilon_and_rope_theta_reach_the_hf_engine_and_sampler():
 
 MEGATRON_PROBE = """
 import torch
-from msrl_core.trainer.config import ModelSection
-from msrl_core.trainer.engines.megatron import build_gpt, init_distributed, _free_port
+from msrl_core.models import build_gpt
+from msrl_core.reshard import Parallel
+from msrl_core.trainer.config import ModelSection, model_config
+from msrl_core.trainer.engines.megatron import init_distributed, _free_port
 init_distributed(0, 1, _free_port())
 m = ModelSection(arch="qwen2", vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=1,
                  num_attention_heads=2, num_query_groups=1, max_position_embeddings=64,
                  make_vocab_size_divisible_by=8, norm_epsilon=1e-5, rope_theta=1000.5)
-g = build_gpt(m, 1, 0)
+g = build_gpt(model_config(m), Parallel(tp=1), seed=0)
 inv = g.rotary_pos_emb.inv_freq
 want = 1.0 / (1000.5 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
 print(g.config.layernorm_epsilon, bool(torch.allclose(inv.cpu().float(), want)))

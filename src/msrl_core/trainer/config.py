@@ -63,7 +63,7 @@ class ModelSection:
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    qkv_bias: bool = True
+    qkv_bias: bool | None = None  # None: the architecture's (Qwen2: true; Llama, Qwen3: false)
     norm_epsilon: float = 1e-6
     num_experts: int = 0  # 0: dense
     moe_intermediate_size: int = 0
@@ -333,8 +333,13 @@ def rows_per_mini_batch(cfg: TrainerConfig) -> int:
     return cfg.actor.ppo_mini_batch_size * cfg.rollout.n
 
 
+#: Architectures with a QKV bias (and the only ones where Hugging Face can express one).
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
+
+
 def model_config(model: ModelSection) -> ModelConfig:
-    """The reshard layer's :class:`ModelConfig` of the model section (the same architecture, its names)."""
+    """The one model description (``msrl_core.models.ModelConfig``) of the model section: what every engine,
+    the reshard plan and the checkpoint writer read."""
     m = model
     return ModelConfig(
         arch=m.arch,
@@ -345,13 +350,16 @@ def model_config(model: ModelSection) -> ModelConfig:
         head_dim=m.head_dim,
         intermediate_size=m.ffn_hidden_size,
         vocab_size=m.vocab_size,
-        qkv_bias=m.qkv_bias,
+        qkv_bias=m.arch in QKV_BIAS_ARCHS if m.qkv_bias is None else m.qkv_bias,
         tie_word_embeddings=m.tie_word_embeddings,
         num_experts=m.num_experts,
         moe_intermediate_size=m.moe_intermediate_size,
         qk_norm=m.arch == "qwen3",
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         dtype=m.dtype,
+        rope_theta=m.rope_theta,
+        norm_epsilon=m.norm_epsilon,
+        max_position_embeddings=m.max_position_embeddings,
     )
 
 
@@ -424,6 +432,11 @@ def _check_model(cfg: TrainerConfig, problems: list[str]) -> None:
         problems.append(
             f"model.arch={m.arch!r}, model.num_experts={m.num_experts}, model.moe_intermediate_size="
             f"{m.moe_intermediate_size}: MoE archs (qwen3_moe, qwen2_moe) need both > 0, dense archs both 0"
+        )
+    if m.qkv_bias and m.arch not in QKV_BIAS_ARCHS:
+        problems.append(
+            f"model.qkv_bias=True with model.arch={m.arch!r}: only {', '.join(QKV_BIAS_ARCHS)} have a QKV "
+            "bias in the Hugging Face layout; use model.qkv_bias=false"
         )
     if r.max_prompt_length + r.max_response_length > m.max_position_embeddings:
         problems.append(

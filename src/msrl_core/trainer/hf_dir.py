@@ -70,7 +70,7 @@ def weight_files(path: Path) -> list[Path]:
     )
 
 
-def read_model_config(path: str) -> Any:
+def read_model_config(path: str, **kw: Any) -> Any:
     """``msrl_core.models.ModelConfig`` of the checkpoint at ``path`` (config.json); errors name the path."""
     p = Path(path)
     if not p.is_dir():
@@ -79,7 +79,7 @@ def read_model_config(path: str) -> Any:
         raise ConfigError(f"model.path={path!r} has no config.json: not a Hugging Face checkpoint directory")
     models = _models()
     try:
-        return models.ModelConfig.from_pretrained(str(p))
+        return models.ModelConfig.from_pretrained(str(p), **kw)
     except ValueError as e:  # CheckpointError: unknown architecture, unsupported feature
         raise ConfigError(f"model.path={path!r}: {e}") from None
 
@@ -87,7 +87,9 @@ def read_model_config(path: str) -> Any:
 def fill_model_section(model: Any, explicit: dict[str, str]) -> None:
     """Set every key of :data:`SECTION_FIELDS` of the section ``model`` from its checkpoint's config.json;
     ``explicit`` (key -> where it was set) are the keys the user wrote: each must agree with config.json."""
-    mc = read_model_config(model.path)
+    mc = read_model_config(
+        model.path, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, dtype=model.dtype
+    )
     problems = []
     for key, field in SECTION_FIELDS.items():
         value = getattr(mc, field)
@@ -102,8 +104,8 @@ def fill_model_section(model: Any, explicit: dict[str, str]) -> None:
     weight_files(Path(model.path))
 
 
-def load_megatron_shard(model: Any, parallel: Any, rank: int) -> dict[str, Any]:
-    """TP rank ``rank``'s Megatron-layout tensors of the checkpoint at ``model.path`` (PP/EP rank 0)."""
+def load_megatron_shard(model: Any, parallel: Any) -> dict[str, Any]:
+    """The single-rank Megatron-layout tensors of the checkpoint at ``model.path`` (the HF engine's)."""
     import torch
 
     from msrl_core.reshard import to_hf
@@ -113,9 +115,8 @@ def load_megatron_shard(model: Any, parallel: Any, rank: int) -> dict[str, Any]:
     mc = model_config(model)
     shapes = to_hf(mc, parallel).train_shapes(0)
     shards = {k: torch.zeros(v, dtype=getattr(torch, mc.dtype)) for k, v in shapes.items()}
-    layout = models.ShardLayout(train=parallel, pp_rank=0, tp_rank=rank, ep_rank=0)
     try:
-        models.load_hf_checkpoint(shards, model.path, layout, config=mc)
+        models.load_hf_checkpoint(shards, model.path, models.ShardLayout(train=parallel), config=mc)
     except ValueError as e:  # CheckpointError: a missing or mis-shaped tensor
         raise ConfigError(f"model.path={model.path!r}: {e}") from None
     return shards

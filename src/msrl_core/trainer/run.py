@@ -238,7 +238,11 @@ def save(s: Session, step: int) -> Path:
     if trainer.ref_engine is not None:
         tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
     engine.save_followers(step)
-    hf = (trainer.hf_weights(), trainer.sampler.model.config) if s.rank == 0 else None
+    hf = None
+    if s.rank == 0:
+        from msrl_core.trainer.hf_build import checkpoint_config
+
+        hf = (trainer.hf_weights(), checkpoint_config(s.cfg.model, s.tokenizer), s.tokenizer)
     state = {"step": step, "loader": s.loader.state_dict(), "time": time.time()} if s.rank == 0 else None
     return ckpt.save(s.run_dir, step, s.rank, tensors, trainer.optimizer_state(), state, hf)
 

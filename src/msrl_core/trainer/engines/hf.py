@@ -26,32 +26,11 @@ from msrl_core.trainer.engines import torch_device
 
 
 def hf_config(model: Any) -> Any:
-    """The transformers config of the trainer's model section (``cfg.model``: the one model description):
-    the same norm epsilon, RoPE base and positions every engine uses."""
-    import transformers as tf
+    """The transformers config of the model section (``cfg.model``) through the one model description
+    (``msrl_core.models.hf_config``): the same norm epsilon, RoPE base and positions in every engine."""
+    from msrl_core.models import hf_config as models_hf_config
 
-    mc = model_config(model)
-    common: dict[str, Any] = dict(
-        vocab_size=mc.vocab_size,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_hidden_layers=mc.num_layers,
-        num_attention_heads=mc.num_attention_heads,
-        num_key_value_heads=mc.num_key_value_heads,
-        head_dim=mc.hd,
-        rms_norm_eps=model.norm_epsilon,
-        max_position_embeddings=model.max_position_embeddings,
-        tie_word_embeddings=mc.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": model.rope_theta},
-        dtype=mc.dtype,
-    )
-    if mc.arch == "qwen2":
-        return tf.Qwen2Config(**common)
-    if mc.arch == "qwen3":
-        return tf.Qwen3Config(attention_bias=mc.qkv_bias, **common)
-    if mc.arch == "llama":
-        return tf.LlamaConfig(attention_bias=mc.qkv_bias, mlp_bias=False, **common)
-    raise ValueError(f"model.arch {mc.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
+    return models_hf_config(model_config(model))
 
 
 def transformers_model(model: Any, device: Any = "cpu") -> Any:
@@ -81,7 +60,7 @@ def initial_params(model: Any, seed: int) -> dict[str, torch.Tensor]:
     if model.path:
         from msrl_core.trainer.hf_dir import load_megatron_shard
 
-        return load_megatron_shard(model, Parallel(tp=1), rank=0)
+        return load_megatron_shard(model, Parallel(tp=1))
     return init_megatron_params(model_config(model), seed)
 
 

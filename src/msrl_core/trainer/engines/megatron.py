@@ -22,15 +22,15 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
-import warnings
 from typing import Any
 
 import torch
 
 from msrl_core.reshard import ModelConfig, Parallel
 from msrl_core.reshard.steps import current_stream
-from msrl_core.trainer.engines import megatron_cpu
+from msrl_core.trainer.config import model_config
 
 # operation codes of the rank-0 -> follower protocol
 _LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE, _LOAD = range(12)
@@ -103,82 +103,11 @@ def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") ->
     )
 
 
-def build_gpt(model: Any, tp: int, seed: int, device: Any = None) -> Any:
-    """A megatron-core ``GPTModel`` of the model section ``model`` (``cfg.model``: its norm epsilon, RoPE
-    base and positions as they are) for this rank (model-parallel state initialised for ``tp``) on
-    ``device`` (default: CPU; an accelerator must be the current device, see ``torch_device``): megatron-core
-    initialises it there itself (its RoPE frequencies follow ``use_cpu_initialization``)."""
-    import torch.nn.functional as F
+def build_policy(cfg: Any, tp: int, seed: int, device: Any) -> Any:
+    """This rank's ``GPTModel`` of ``cfg.model`` (``msrl_core.models.build_gpt``: the one builder)."""
+    from msrl_core.models import build_gpt
 
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cpu":  # megatron-core's torch.cuda calls redirected (only when training on the CPU)
-        megatron_cpu.activate(force=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer import TransformerConfig
-
-    from msrl_core.reshard.layout import megatron_padded_vocab
-    from msrl_core.trainer.config import model_config
-
-    mc = model_config(model)
-
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    dtype = getattr(torch, mc.dtype)
-    tc = TransformerConfig(
-        num_layers=mc.num_layers,
-        hidden_size=mc.hidden_size,
-        num_attention_heads=mc.num_attention_heads,
-        num_query_groups=mc.num_key_value_heads,
-        kv_channels=mc.hd,
-        ffn_hidden_size=mc.intermediate_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        use_cpu_initialization=device.type == "cpu",
-        perform_initialization=True,
-        init_method_std=0.02,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=mc.qkv_bias,
-        qk_layernorm=mc.qk_norm,
-        normalization="RMSNorm",
-        layernorm_epsilon=model.norm_epsilon,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        attention_softmax_in_fp32=True,
-    )
-    spec = get_gpt_layer_local_spec(qk_layernorm=mc.qk_norm, normalization="RMSNorm")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = GPTModel(
-            tc,
-            spec,
-            vocab_size=megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, tp),
-            max_sequence_length=model.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=mc.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=model.rope_theta,  # a float (Qwen's 1e6, Llama 3's 500000.0) as it is
-            parallel_output=False,
-        )
-    return model.to(device)
+    return build_gpt(model_config(cfg.model), Parallel(tp=tp), seed=seed, device=device)
 
 
 class _Model:
@@ -222,8 +151,13 @@ class MegatronTrainEngine:
             self._procs = _spawn_followers(cfg, seed, tp, port, device)
         init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_gpt(cfg.model, tp, seed, self.device))]
+        self._models = [_Model(build_policy(cfg, tp, seed, self.device))]
         self.module = self._models[0].module
+        if cfg.model.path:  # the checkpoint's weights, this rank's shard (the reshard plan in reverse)
+            from msrl_core.models import ShardLayout, load_hf_checkpoint
+
+            layout = ShardLayout(train=self.parallel, tp_rank=rank)
+            load_hf_checkpoint(self.module, cfg.model.path, layout, config=mc)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -356,9 +290,7 @@ class MegatronTrainEngine:
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_gpt(
-            self.cfg.model, self.parallel.tp, self.seed, self.device
-        )  # process groups: no deepcopy
+        ref = build_policy(self.cfg, self.parallel.tp, self.seed, self.device)  # process groups: no deepcopy
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -550,8 +482,12 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from msrl_core.trainer.config import from_yaml, model_config
+    from msrl_core.reshard.errors import CheckpointError
+    from msrl_core.trainer.config import from_yaml
 
     cfg = from_yaml(cfg_yaml)
-    engine = MegatronTrainEngine(cfg, model_config(cfg.model), seed, rank=rank, port=port, device=device)
+    try:
+        engine = MegatronTrainEngine(cfg, model_config(cfg.model), seed, rank=rank, port=port, device=device)
+    except CheckpointError:  # every rank raises it together; rank 0 reports it
+        sys.exit(1)
     engine.serve()
