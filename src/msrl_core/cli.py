@@ -1,7 +1,8 @@
 """The ``msrl`` command line.
 
 - ``msrl demo [key=value ...] [--ray]``: the CPU GRPO demo (synthetic arithmetic, tiny model built in code);
-- ``msrl train CONFIG.yaml [key=value ...] [--ray]``: GRPO with a YAML config and dotted overrides;
+- ``msrl train [CONFIG.yaml] [key=value ...] [--ray]``: GRPO with a YAML config and dotted overrides, e.g.
+  ``msrl train model.path=Qwen2.5-0.5B-Instruct data.train_files=gsm8k/train.parquet``;
 - ``msrl report RUN_DIR``: the summary table and plots of a run directory;
 - ``msrl info``: the runtime backends and the build (JSON).
 
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the CPU GRPO demo (learns a+b= in minutes)")
     _run_args(demo)
     tr = sub.add_parser("train", help="run GRPO from a YAML config")
-    tr.add_argument("config", help="YAML config (see the demo's: msrl_core/trainer/configs/demo.yaml)")
+    tr.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config (optional: the defaults and key=value overrides alone also make a config)",
+    )
     _run_args(tr)
     rep = sub.add_parser("report", help="summary table and plots of a run directory")
     rep.add_argument("run_dir")
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    if args.command == "train" and args.config is not None and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None  # no file, overrides only
     if args.command == "info":
         print(json.dumps({"msrl_core": __version__, **runtime_info()}, indent=2))
         return 0
