@@ -2,7 +2,8 @@
 (``a+b=``) and a freshly initialised model with its tokenizer (the task's characters as a Hugging Face
 tokenizer with a chat template: :mod:`msrl_core.trainer.hf_build`) into the run directory, trains from
 that directory as ``model.path``, runs a short format-only warm-up (:mod:`msrl_core.trainer.warmup`),
-then GRPO with the shipped config ``configs/demo.yaml``. Overrides: trainer keys as in ``msrl train`` (``trainer.seed=2``), and the
+then GRPO with the shipped config ``configs/demo.yaml``. Overrides: trainer keys as in ``msrl train``
+(``trainer.seed=2``), and the
 demo's own ``demo.*`` keys (:class:`DemoSettings`).
 """
 
