@@ -227,15 +227,34 @@ class HFSampler:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
         several). Returns per row the response tokens and their log-probs."""
+        toks, lps, lengths = self.generate_padded(
+            prompts, max_new, eos_id, pad_id, temperature, top_p, generator, greedy
+        )
+        n = lengths.tolist()
+        return [toks[i, : n[i]].clone() for i in range(len(n))], [
+            lps[i, : n[i]].clone() for i in range(len(n))
+        ]
+
+    @torch.no_grad()
+    def generate_padded(
+        self,
+        prompts: list[torch.Tensor],
+        max_new: int,
+        eos_id: int | Sequence[int],
+        pad_id: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+        greedy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`generate` as right-padded ``[B, T]`` tokens and log-probs and the ``[B]`` lengths."""
         B = len(prompts)
-        plen = max(len(p) for p in prompts)
         dev = self.device
-        tokens = torch.full((B, plen), pad_id, dtype=torch.int64)
-        mask = torch.zeros((B, plen), dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, plen - len(p) :] = p
-            mask[i, plen - len(p) :] = 1
-        tokens, mask = tokens.to(dev), mask.to(dev)
+        tokens = torch.nn.utils.rnn.pad_sequence(
+            [p.long() for p in prompts], batch_first=True, padding_value=pad_id, padding_side="left"
+        ).to(dev)
+        plens = torch.tensor([len(p) for p in prompts], device=dev)
+        mask = (torch.arange(tokens.shape[1], device=dev)[None, :] >= tokens.shape[1] - plens[:, None]).long()
         eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -265,9 +284,7 @@ class HFSampler:
             if bool(done.all()):
                 break
         toks, lps = torch.stack(out_tok, 1), torch.stack(out_lp, 1)
-        return [toks[i, : lengths[i]].clone() for i in range(B)], [
-            lps[i, : lengths[i]].clone() for i in range(B)
-        ]
+        return toks, lps, lengths
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

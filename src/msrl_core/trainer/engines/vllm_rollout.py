@@ -189,6 +189,13 @@ class VLLMSampler:
             )
         return toks, lps
 
+    def generate_padded(self, prompts: list[torch.Tensor], *args: Any, **kw: Any) -> Any:
+        """:meth:`generate` as right-padded ``[B, T]`` tokens and log-probs and the ``[B]`` lengths."""
+        toks, lps = self.generate(prompts, *args, **kw)
+        lengths = torch.tensor([len(t) for t in toks], dtype=torch.int64)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return pad(toks, batch_first=True), pad(lps, batch_first=True), lengths
+
     def close(self) -> None:
         """Stop the engine's processes now (not at interpreter exit)."""
         llm, self.llm = self.llm, None
