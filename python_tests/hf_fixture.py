@@ -121,3 +121,44 @@ def greedy_eval(path: str, rows: list[dict], max_new_tokens: int) -> float:
 def string_reward(data_source, solution_str, ground_truth, extra_info=None):
     """A broken reward: returns a string."""
     return "right"
+
+
+def finetune(src: Path, out: Path, steps: int = 100, lr: float = 3e-3, seed: int = 0) -> Path:
+    """A brief supervised fine-tune of the checkpoint at ``src`` on the task (chat prompt -> answer + eos),
+    saved as a checkpoint directory at ``out``: with the defaults it is right part of the time (greedy
+    accuracy about 0.5 on held-out prompts of the same pairs; sampled about 0.3)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    rows = verl_rows(200, seed=3)
+
+    def example(r: dict) -> tuple[list[int], list[int]]:
+        text = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+        p = tok(text, add_special_tokens=False)["input_ids"]
+        a = tok(r["reward_model"]["ground_truth"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return p, a
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        seqs = [example(rows[i]) for i in torch.randint(0, len(rows), (32,), generator=g).tolist()]
+        L = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.full((32, L), tok.pad_token_id)
+        labels = torch.full((32, L), -100)
+        att = torch.zeros((32, L), dtype=torch.long)
+        for i, (p, a) in enumerate(seqs):
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            att[i, : len(p) + len(a)] = 1
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    shutil.copy(src / "generation_config.json", out / "generation_config.json")
+    return out
