@@ -142,8 +142,8 @@ def run_case(case: str, steps: int, seed: int, tp: int = 1) -> dict:
 
     from msrl_core.trainer.demo import prepare
     from msrl_core.trainer.grpo import GRPOTrainer
-    from msrl_core.trainer.reward import load_reward_fn, score
-    from msrl_core.trainer.run import build_engine, load_data, sampler_factory
+    from msrl_core.trainer.reward import load_reward_fn
+    from msrl_core.trainer.run import build_engine, encode_prompts, load_data, sampler_factory
     from msrl_core.trainer.task import CharTokenizer
 
     out_dir = tempfile.mkdtemp(prefix=f"msrl_e2e_{case}_")
@@ -163,13 +163,13 @@ def run_case(case: str, steps: int, seed: int, tp: int = 1) -> dict:
         over.append("dock.backend=ray")
     cfg, _ = prepare(over)
     records, _ = load_data(cfg)
+    encode_prompts(CharTokenizer(), cfg, records, "training")
     engine = build_engine(cfg, seed)
     tr = GRPOTrainer(
         cfg,
         CharTokenizer(),
         records,
         load_reward_fn(cfg.reward.fn),
-        score,
         engine,
         sampler_factory(cfg),
         swap=case != "no_swap",
