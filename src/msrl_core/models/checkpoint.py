@@ -369,8 +369,11 @@ def save_hf_checkpoint(
             error = e
     if write and error is None:
         try:
+            saved = config  # config.json names the dtype the tensors are saved in
+            if dtype is not None:
+                saved = dataclasses.replace(config, dtype=str(dtype).replace("torch.", ""))
             files = _finish(
-                path, tmp, weight_map, config, hf_config, tokenizer, generation_config, make_hf_config
+                path, tmp, weight_map, saved, hf_config, tokenizer, generation_config, make_hf_config
             )
         except Exception as e:
             error = e
