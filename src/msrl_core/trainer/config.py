@@ -354,7 +354,7 @@ def model_config(model: ModelSection) -> ModelConfig:
         tie_word_embeddings=m.tie_word_embeddings,
         num_experts=m.num_experts,
         moe_intermediate_size=m.moe_intermediate_size,
-        qk_norm=m.arch in ("qwen3", "qwen3_moe"),
+        qk_norm=m.arch == "qwen3",
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         dtype=m.dtype,
         rope_theta=m.rope_theta,
@@ -461,10 +461,14 @@ def _check_parallel(cfg: TrainerConfig, problems: list[str]) -> None:
         problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
     elif a.ep > 1:
         _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
-    if m.num_experts > 0 and a.engine == "hf":
+    if a.pp > 1 or a.ep > 1:
         problems.append(
-            f"model.arch={m.arch!r} with actor.engine='hf': the HF engine trains dense models (llama, qwen2, "
-            "qwen3); MoE models train on actor.engine=megatron"
+            f"actor.pp={a.pp}, actor.ep={a.ep}: the trainer's Megatron engine runs tensor parallelism only "
+            "in this build; use actor.pp=1 actor.ep=1"
+        )
+    if m.num_experts > 0:
+        problems.append(
+            f"model.arch={m.arch!r}: MoE models are not trained by this build (dense llama, qwen2, qwen3 are)"
         )
     if r.engine == "hf" and r.gpu_memory_utilization != RolloutSection.gpu_memory_utilization:
         problems.append(

@@ -194,23 +194,6 @@ class HFTrainEngine:
                 p.copy_(state[k])
 
 
-def _fused_experts(mc: ModelConfig, views: dict[str, Any]) -> dict[str, Any]:
-    """HF checkpoint tensors as a transformers 5 MoE model holds them: per layer the experts' gate/up
-    projections stacked into ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]`` (copies);
-    a dense model's views unchanged."""
-    if not mc.is_moe:
-        return views
-    out = {k: v for k, v in views.items() if ".mlp.experts." not in k}
-    for i in range(mc.num_layers):
-        h = f"model.layers.{i}.mlp.experts."
-        E = range(mc.num_experts)
-        out[h + "gate_up_proj"] = torch.stack(
-            [torch.cat([views[h + f"{e}.gate_proj.weight"], views[h + f"{e}.up_proj.weight"]]) for e in E]
-        )
-        out[h + "down_proj"] = torch.stack([views[h + f"{e}.down_proj.weight"] for e in E])
-    return out
-
-
 class HFSampler:
     """Built-in rollout engine: a transformers model whose weights are the HF-layout views that
     ``allgather_swap`` fills. Batched sampling with left padding; returns the log-probs of the sampled
@@ -222,17 +205,13 @@ class HFSampler:
         self.views = dict(views)
         if model.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
-        self._mc = model_config(model)
-        self.weights = _fused_experts(self._mc, self.views)
 
     def on_switch(self) -> None:
-        """The views are this sampler's weights (``allgather_swap`` filled them in place); an MoE's experts
-        are restacked into transformers' fused ``gate_up_proj`` / ``down_proj``."""
-        self.weights = _fused_experts(self._mc, self.views)
+        """Nothing to do: the views are this sampler's weights, ``allgather_swap`` filled them in place."""
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return _functional_logits(self.model, self.weights, tokens, mask, pos)
+        return _functional_logits(self.model, self.views, tokens, mask, pos)
 
     @torch.no_grad()
     def generate(
