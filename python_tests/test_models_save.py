@@ -5,6 +5,7 @@ leaves no shard behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -95,6 +96,20 @@ def test_sharded_save_round_trips_through_the_index(tmp_path):
     save_hf_checkpoint(shards, out, mc, Parallel(), {})
     assert not os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     assert all(torch.equal(_loaded_shards(out, mc)[n], shards[n]) for n in shards)
+
+
+def test_a_bf16_save_says_bf16(tmp_path):
+    _, src = _source(tmp_path)
+    mc = ModelConfig.from_pretrained(src)
+    shards = _loaded_shards(src, mc)
+    out = str(tmp_path / "out")
+    save_hf_checkpoint(shards, out, mc, Parallel(), {}, dtype=torch.bfloat16)
+    back = ModelConfig.from_pretrained(out)
+    assert back.dtype == "bfloat16" and back == dataclasses.replace(mc, dtype="bfloat16")
+    sh = {n: torch.empty(s) for n, s in to_hf(mc, Parallel()).train_shapes(0).items()}
+    load_hf_checkpoint(sh, out, ShardLayout(), config=mc)  # bf16 on disk, cast to the fp32 parameters
+    for n in shards:
+        assert torch.equal(sh[n], shards[n].to(torch.bfloat16).float()), n
 
 
 def test_a_failed_save_leaves_no_shard(tmp_path):

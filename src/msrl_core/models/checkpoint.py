@@ -93,6 +93,7 @@ class SafetensorsCheckpoint:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._files: dict[str, Any] = {}
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint directory {path} does not exist")
         index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
@@ -113,13 +114,10 @@ class SafetensorsCheckpoint:
                 self.weight_map[name] = SINGLE
         else:
             raise CheckpointError(f"no weights in {path}: neither {SINGLE} nor {INDEX} exists")
-        self._files: dict[str, Any] = {}
 
     def _open(self, file: str) -> Any:
         from safetensors import safe_open
 
-        if not hasattr(self, "_files"):
-            self._files = {}
         if file not in self._files:
             full = os.path.join(self.path, file)
             if os.path.basename(file) != file or not os.path.isfile(full):
@@ -329,7 +327,6 @@ def save_hf_checkpoint(
     (anything with ``save_pretrained``). ``dtype``: the saved dtype (default: the parameters'). The ranks
     of the world agree on the writer's outcome (within ``timeout`` seconds, also each bucket's bound);
     returns the files written (on the writer; ``[]`` elsewhere)."""
-    import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -369,8 +366,11 @@ def save_hf_checkpoint(
             error = e
     if write and error is None:
         try:
+            saved = config  # config.json names the dtype the tensors are saved in
+            if dtype is not None:
+                saved = dataclasses.replace(config, dtype=str(dtype).replace("torch.", ""))
             files = _finish(
-                path, tmp, weight_map, config, hf_config, tokenizer, generation_config, make_hf_config
+                path, tmp, weight_map, saved, hf_config, tokenizer, generation_config, make_hf_config
             )
         except Exception as e:
             error = e
@@ -388,7 +388,6 @@ def save_hf_checkpoint(
         raise CheckpointError(
             f"save_hf_checkpoint({path}): the writer rank {writer_rank} failed (see its error)"
         )
-    del torch
     return files
 
 
