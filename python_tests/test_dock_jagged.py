@@ -219,3 +219,37 @@ def test_tensordict_round_trip_through_the_dock():
     assert td_out.get("uid").tolist() == [["u0", "ü1", "", "u3"][i] for i in order]
     assert td_out.get("raw_prompt").tolist() == [CHATS[i] for i in order]
     assert td_out.get("step").tolist() == [7] * 4
+
+
+def test_tensordict_round_trip_through_the_keyed_dock():
+    td_in = full_tensordict()
+    td_in["step"] = NonTensorData("step-7", batch_size=[4])  # a str: ints need dock's ObjectValues rule
+    dock = Dock(capacity=8)
+    keys = ["k0", "k1", "k2", "k3"]
+    dock.put(td_in, partition="train", keys=keys)
+    assert dock.columns["responses"].ragged and dock.columns["uid"].is_object
+    assert not dock.columns["extra.mask"].ragged  # dense stays dense
+    order = [3, 1, 0, 2]
+    td = dock.get([keys[i] for i in order], partition="train", output="tensordict", layout="nested")
+    assert td.batch_size == torch.Size([4])
+    for key in ("responses", ("extra", "old_log_prob")):
+        assert td[key].layout == torch.jagged
+        src = td_in[key].unbind()
+        assert [r.tolist() for r in td[key].unbind()] == [src[i].tolist() for i in order]
+    assert td["responses"].to_padded_tensor(-1).shape == (4, 5)  # padded to the longest row
+    assert torch.equal(td["rewards"], td_in["rewards"][order])
+    assert torch.equal(td["extra", "mask"], td_in["extra", "mask"][order])
+    assert td.get("uid").tolist() == [["u0", "ü1", "", "u3"][i] for i in order]
+    assert td.get("raw_prompt").tolist() == [CHATS[i] for i in order]
+    assert td.get("step").tolist() == ["step-7"] * 4
+    nt = dock.get(keys, ["responses"], partition="train", layout="nested", output="torch")["responses"]
+    assert nt.offsets().tolist() == [0, 3, 8, 8, 9]
+
+
+def test_a_strided_nested_tensor_is_refused_by_the_dock_and_changes_nothing():
+    dock = Dock(capacity=8)
+    with pytest.raises(InvalidArgument, match=r"column 'responses': .*strided.*allowed: a torch\.jagged"):
+        dock.put({"responses": strided(ROWS[:2])}, partition="p", keys=["a", "b"])
+    with pytest.raises(InvalidArgument, match="strided"):
+        dock.put(TensorDict({"r": strided(ROWS[:2])}, batch_size=[2]), partition="p", keys=["a", "b"])
+    assert dock.partitions() == [] and dock.columns == {} and dock.stats()["allocated_rows"] == 0
