@@ -310,3 +310,49 @@ def test_batches_streams_until_no_rows_come_within_the_deadline():
         adock.close()
 
     run(main())
+
+
+def test_64_claimers_on_two_partitions_of_the_keyed_dock_drain_each_exactly_once():
+    dock = Dock(stages={"score": ["prompts"]}, capacity=512, group_size=GROUP)
+    for part in "ab":
+        dock.create_partition(part)  # a claim on an unknown partition is NotFound, as the sync call
+    per_part = 192
+
+    async def main():
+        adock = AsyncDock(dock)
+        seen = {"a": collections.Counter(), "b": collections.Counter()}
+        done = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+        async def claimer(part: str) -> None:
+            while not done[part].is_set():
+                try:
+                    meta = await adock.claim("score", max_rows=GROUP, timeout=0.3, partition=part)
+                except Timeout:
+                    continue
+                assert meta.partition == part
+                batch = await adock.fetch(meta)
+                keys = dock.keys_of(meta.rows, partition=part)
+                for k, key in enumerate(keys):  # every row holds its own key's data
+                    assert batch["prompts"][k].tolist() == [int(key[1:])] * (1 + int(key[1:]) % 3)
+                seen[part].update(keys)
+                await adock.put({"rewards": np.ones(len(meta), np.float32)}, rows=meta)
+                if sum(seen[part].values()) >= per_part:
+                    done[part].set()
+
+        tasks = [asyncio.create_task(claimer("ab"[i % 2])) for i in range(64)]
+        for start in range(0, per_part, 32):  # both partitions fill while the claimers wait
+            for part in "ab":
+                keys = [f"{part}{i}" for i in range(start, start + 32)]
+                data = {"prompts": [np.full(1 + i % 3, i, np.int64) for i in range(start, start + 32)]}
+                await adock.put(data, partition=part, keys=keys)
+            await asyncio.sleep(0.002)
+        await asyncio.wait_for(asyncio.gather(*(done[p].wait() for p in "ab")), 30)
+        await asyncio.gather(*tasks)
+        adock.close()
+        return seen
+
+    seen = run(main())
+    for part in "ab":
+        assert sorted(seen[part]) == sorted(f"{part}{i}" for i in range(per_part))  # no row crossed
+        assert set(seen[part].values()) == {1}  # exactly once within the partition
+        assert dock.progress(part)["score"]["consumed_rows"] == per_part
