@@ -356,3 +356,39 @@ def test_64_claimers_on_two_partitions_of_the_keyed_dock_drain_each_exactly_once
         assert sorted(seen[part]) == sorted(f"{part}{i}" for i in range(per_part))  # no row crossed
         assert set(seen[part].values()) == {1}  # exactly once within the partition
         assert dock.progress(part)["score"]["consumed_rows"] == per_part
+
+
+def test_dp_claims_and_keyed_get_pass_through():
+    dock = Dock(
+        columns={"responses": Column("int64", ragged=True, max_len=8)},
+        stages={"update": ["responses"]},
+        capacity=16,
+        group_size=2,
+        balance_by="responses",
+    )
+    dock.create_partition("p")
+
+    async def main():
+        adock = AsyncDock(dock)
+        calls = [
+            adock.claim(
+                "update", 8, timeout=5.0, partition="p", dp_rank=r, dp_size=2, batch=0, ranks_per_replica=2
+            )
+            for r in (0, 1)
+            for _ in range(2)
+        ]
+        tasks = [asyncio.create_task(c) for c in calls]  # all four ranks wait before any row exists
+        await asyncio.sleep(0.05)
+        lens = [5, 1, 4, 4, 2, 2, 7, 3]
+        data = {"responses": [np.arange(n) for n in lens for _ in range(2)]}
+        await adock.put(data, partition="p", keys=list(range(16)))
+        shares = await asyncio.gather(*tasks)
+        assert shares[0].rows.tolist() == shares[1].rows.tolist()  # the ranks of replica 0
+        assert shares[2].rows.tolist() == shares[3].rows.tolist()  # the ranks of replica 1
+        r0, r1 = set(shares[0].rows.tolist()), set(shares[2].rows.tolist())
+        assert not r0 & r1 and len(r0 | r1) == 16
+        got = await adock.get([3, 0], ["responses"], partition="p")
+        assert [row.tolist() for row in got["responses"]] == [list(range(1)), list(range(5))]
+        adock.close()
+
+    run(main())
