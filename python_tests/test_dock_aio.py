@@ -369,7 +369,7 @@ def test_dp_claims_and_keyed_get_pass_through():
     dock.create_partition("p")
 
     async def main():
-        adock = AsyncDock(dock)
+        adock = AsyncDock(dock, idle_s=0.1)
         calls = [
             adock.claim(
                 "update", 8, timeout=5.0, partition="p", dp_rank=r, dp_size=2, batch=0, ranks_per_replica=2
@@ -389,6 +389,9 @@ def test_dp_claims_and_keyed_get_pass_through():
         assert not r0 & r1 and len(r0 | r1) == 16
         got = await adock.get([3, 0], ["responses"], partition="p")
         assert [row.tolist() for row in got["responses"]] == [list(range(1)), list(range(5))]
+        assert len(adock._queues) == 2  # one waiting kind per dp_rank of this round
+        await asyncio.sleep(adock.idle_s + 0.5)
+        assert len(adock._queues) == 0  # idle kinds are forgotten: one per DP round would pile up
         adock.close()
 
     run(main())
