@@ -273,7 +273,7 @@ def test_claims_from_two_event_loops_in_two_threads_share_a_stage_exactly_once()
     assert sorted(got[0] + got[1]) == list(range(256))
 
 
-def test_64_claimers_drain_a_ray_stage_exactly_once():
+def test_64_claimers_drain_a_ray_stage_and_two_ray_partitions_exactly_once():
     ray = pytest.importorskip("ray")
     from dock_util import init_local_ray
 
@@ -286,6 +286,9 @@ def test_64_claimers_drain_a_ray_stage_exactly_once():
         assert sorted(seen) == list(range(256)) and set(seen.values()) == {1}
         assert dock.progress()["score"]["consumed_rows"] == 256
         dock.shutdown()
+        keyed = Dock(stages={"score": ["prompts"]}, capacity=256, group_size=GROUP, backend="ray")
+        drain_two_partitions(keyed, per_part=96)  # the keyed store on Ray: partitions apart, once each
+        keyed.shutdown()
     finally:
         if started:
             ray.shutdown()
@@ -313,10 +316,12 @@ def test_batches_streams_until_no_rows_come_within_the_deadline():
 
 
 def test_64_claimers_on_two_partitions_of_the_keyed_dock_drain_each_exactly_once():
-    dock = Dock(stages={"score": ["prompts"]}, capacity=512, group_size=GROUP)
+    drain_two_partitions(Dock(stages={"score": ["prompts"]}, capacity=512, group_size=GROUP))
+
+
+def drain_two_partitions(dock: Dock, per_part: int = 192) -> None:
     for part in "ab":
-        dock.create_partition(part)  # a claim on an unknown partition is NotFound, as the sync call
-    per_part = 192
+        dock.create_partition(part)
 
     async def main():
         adock = AsyncDock(dock)
