@@ -346,6 +346,18 @@ def test_crafted_object_runs_nothing_in_any_ray_actor(tmp_path):
         assert not os.path.exists(marker)
         dock.reset()
         dock.shutdown()
+        # The keyed store on Ray: a run-time object column, by keys, in a partition.
+        keyed = Dock(capacity=8, backend="ray", warehouses=2, object_codec=writer)
+        keyed.put(
+            {"extras": [RunsCode(marker), CHAT, "", b"\0" * 1000]}, partition="p", keys=["a", "b", "c", "d"]
+        )
+        keyed.object_codec = ObjectCodec.new(allow_pickle=True)
+        with pytest.raises(InvalidArgument, match="MAC does not verify"):
+            keyed.get(["a"], ["extras"], partition="p")
+        keyed.object_codec = writer
+        assert keyed.get(["d", "b", "c"], ["extras"], partition="p")["extras"] == [b"\0" * 1000, CHAT, ""]
+        keyed.shutdown()
+        assert not os.path.exists(marker)
     finally:
         if started:
             ray.shutdown()
