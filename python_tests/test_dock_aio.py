@@ -273,6 +273,7 @@ def test_claims_from_two_event_loops_in_two_threads_share_a_stage_exactly_once()
     assert sorted(got[0] + got[1]) == list(range(256))
 
 
+@pytest.mark.slow  # one local Ray instance: 10-25 s on the shared 2-core machine
 def test_64_claimers_drain_a_ray_stage_and_two_ray_partitions_exactly_once():
     ray = pytest.importorskip("ray")
     from dock_util import init_local_ray

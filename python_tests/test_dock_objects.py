@@ -284,6 +284,7 @@ def test_objects_through_the_local_dock_and_unpicklable_writes_nothing():
         assert same(by_row[r], v)
 
 
+@pytest.mark.slow  # one local Ray instance: 10-25 s on the shared 2-core machine
 def test_crafted_object_runs_nothing_in_any_ray_actor(tmp_path):
     """Two ways in, one Ray dock (2 warehouse actors, controller actors): rows an attacker without the
     secret could write (raw bytes in a uint8 column), and a value of an object column that runs code
