@@ -133,9 +133,10 @@ def test_tensordict_to_columns():
     assert torch.equal(cols["responses"].values, torch.cat(ROWS))
     assert cols["extra.old_log_prob"].values.dtype == torch.float32
     assert cols["extra.mask"].shape == (4, 2)
-    assert isinstance(cols["uid"], _jagged.ObjectValues) and cols["uid"] == ["u0", "ü1", "", "u3"]
-    assert cols["raw_prompt"] == CHATS
-    assert cols["step"] == [7, 7, 7, 7]  # NonTensorData: its one value for every row
+    assert isinstance(cols["uid"], _jagged.ObjectValues) and list(cols["uid"]) == ["u0", "ü1", "", "u3"]
+    assert cols["uid"].dtype == object and cols["uid"].shape == (4,)
+    assert list(cols["raw_prompt"]) == CHATS  # list values stay one per row (not stacked into 2-D)
+    assert list(cols["step"]) == [7, 7, 7, 7]  # NonTensorData: its one value for every row
 
 
 def test_bad_tensordicts_are_refused():
@@ -223,10 +224,12 @@ def test_tensordict_round_trip_through_the_dock():
 
 def test_tensordict_round_trip_through_the_keyed_dock():
     td_in = full_tensordict()
-    td_in["step"] = NonTensorData("step-7", batch_size=[4])  # a str: ints need dock's ObjectValues rule
     dock = Dock(capacity=8)
     keys = ["k0", "k1", "k2", "k3"]
     dock.put(td_in, partition="train", keys=keys)
+    padded = dock.get(keys, partition="train", output="tensordict")  # ragged padded + masks, objects too
+    assert padded["responses"].shape == (4, 5) and padded["responses_mask"].sum().item() == 9
+    assert padded.get("raw_prompt").tolist() == CHATS and padded.get("uid").tolist() == ["u0", "ü1", "", "u3"]
     assert dock.columns["responses"].ragged and dock.columns["uid"].is_object
     assert not dock.columns["extra.mask"].ragged  # dense stays dense
     order = [3, 1, 0, 2]
@@ -241,7 +244,8 @@ def test_tensordict_round_trip_through_the_keyed_dock():
     assert torch.equal(td["extra", "mask"], td_in["extra", "mask"][order])
     assert td.get("uid").tolist() == [["u0", "ü1", "", "u3"][i] for i in order]
     assert td.get("raw_prompt").tolist() == [CHATS[i] for i in order]
-    assert td.get("step").tolist() == ["step-7"] * 4
+    assert td.get("step").tolist() == [7] * 4  # a non-tensor int stays an object, not an int64 column
+    assert dock.columns["step"].is_object
     nt = dock.get(keys, ["responses"], partition="train", layout="nested", output="torch")["responses"]
     assert nt.offsets().tolist() == [0, 3, 8, 8, 9]
 

@@ -378,6 +378,21 @@ def test_object_columns_round_trip_exactly_through_the_keyed_dock():
     assert all(same(a, b) for a, b in zip(VALUES[::-1], got))
     blob = dock.get([3, 0, 1, 2], ["blob"], partition="val")["blob"]
     assert blob[0] == CHAT and blob[1] == big and blob[2] == b"" and blob[3] == ""
+    padded = dock.get(keys, ["extras"], partition="train", layout="padded")["extras"]  # any layout
+    assert all(same(a, b) for a, b in zip(VALUES, padded))
+
+
+def test_decode_takes_padded_rows():
+    from msrl_core.dock import _objects
+
+    flat, lengths = _objects.encode(["ab", CHAT, "", b"\x01"])
+    width = int(lengths.max())
+    padded = np.zeros((4, width), np.uint8)
+    padded[np.arange(width)[None, :] < lengths[:, None]] = flat
+    assert same(_objects.decode(padded, lengths), ["ab", CHAT, "", b"\x01"])
+    with pytest.raises(InvalidArgument, match="padded values"):
+        _objects.decode(padded[:, :2], lengths)
+    assert same(_objects.encode(np.array(["x", None], dtype=object))[1].tolist(), [4, 5])  # an object array
 
 
 def test_unpicklable_or_unsafe_object_changes_nothing_in_the_dock():
