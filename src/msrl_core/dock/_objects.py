@@ -318,6 +318,8 @@ class ObjectCodec:
         """Values of one object column -> (uint8 values, int64 lengths) for the dock's ragged put.
         Every value is encoded before anything is returned: an error (naming the row) leaves nothing
         to write."""
+        if isinstance(values, np.ndarray) and values.ndim == 1:
+            values = list(values)  # a numpy object array (verl's non_tensor_batch): one value per row
         if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
             raise InvalidArgument(
                 f"object column '{name}': pass a list with one value per row, got {type(values).__name__}"
@@ -361,10 +363,20 @@ def encode(
 
 
 def decode(values: Any, lengths: Any, name: str = "object", codec: ObjectCodec | None = None) -> list[Any]:
-    """The rows' values from (uint8 values, int64 lengths [n]); ``codec`` None: never unpickles."""
+    """The rows' values from (uint8 values, int64 lengths [n]); ``codec`` None: never unpickles.
+    ``values`` packed ``[total]``, or padded ``[n, width]`` (a fetch with layout='padded': the rows are
+    taken out of the padding first)."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.ndim != 1 or (lens < 0).any():
         raise InvalidArgument(f"object column '{name}': lengths must be a 1-D array of counts >= 0")
+    arr = np.asarray(values)
+    if arr.ndim == 2:
+        if arr.shape[0] != len(lens) or (len(lens) and int(lens.max()) > arr.shape[1]):
+            raise InvalidArgument(
+                f"object column '{name}': padded values {arr.shape} do not hold rows of lengths up to "
+                f"{int(lens.max()) if len(lens) else 0} for {len(lens)} rows"
+            )
+        values = arr[np.arange(arr.shape[1])[None, :] < lens[:, None]]  # row-major: rows back to back
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     return (codec or _SAFE_ONLY).decode(values, offsets, name)

@@ -70,8 +70,8 @@ class _Waiter:
 class _Queue:
     """Waiting claims of one kind (stage + extra claim arguments), served FIFO by one thread."""
 
-    def __init__(self, owner: AsyncDock, stage: str, extra: dict[str, Any]):
-        self.owner, self.stage, self.extra = owner, stage, extra
+    def __init__(self, owner: AsyncDock, key: Any, stage: str, extra: dict[str, Any]):
+        self.owner, self.key, self.stage, self.extra = owner, key, stage, extra
         self.cond = threading.Condition()
         self.waiters: deque[_Waiter] = deque()
         self.thread: threading.Thread | None = None
@@ -114,6 +114,9 @@ class _Queue:
                 return keep[0]
             if now >= idle_until:
                 self.thread = None
+                with self.owner._lock:  # forget an idle kind (e.g. a DP round's batch=): the dict stays small
+                    if self.owner._queues.get(self.key) is self:
+                        del self.owner._queues[self.key]
                 return None
             self.cond.wait(idle_until - now)
 
@@ -243,7 +246,7 @@ class AsyncDock:
         q = self._queues.get(key)
         if q is None:
             with self._lock:
-                q = self._queues.setdefault(key, _Queue(self, stage, dict(extra)))
+                q = self._queues.setdefault(key, _Queue(self, key, stage, dict(extra)))
         return q
 
     def _resolve(self, w: _Waiter, got: Claim | BaseException) -> None:
