@@ -226,6 +226,7 @@ class MirrorOffload(EngineAndPool):
         self._grads += freed
         self.stats.grad_bytes_freed = sum(s.nbytes for s in self._grads)
         self.stats.host_mirror_bytes = self._host.nbytes
+        _release_cached(params)
         self.stats.offload_s = time.perf_counter() - t0
 
     def load_model(self, chunks: Sequence[Any], *, grad: bool = True) -> None:
@@ -258,10 +259,10 @@ class MirrorOffload(EngineAndPool):
             self._state_offload = TrainingStateOffload(
                 grads=False, optimizer_state=True, master_weights=True, engine=self.engine, pool=self.pool
             )
-        self._state = self._state_offload.offload(
-            chunk_params(chunks), _Merged(optimizer), timeout=self.timeout
-        )
+        params = chunk_params(chunks)
+        self._state = self._state_offload.offload(params, _Merged(optimizer), timeout=self.timeout)
         self.stats.optimizer_bytes = dict(self._state.telemetry.freed_bytes)
+        _release_cached(params)
 
     def load_optimizer(self) -> None:
         if self._state is None:
@@ -269,6 +270,17 @@ class MirrorOffload(EngineAndPool):
         self._state.swap_back()
         self._state.wait()
         self._state = None
+
+
+def _release_cached(params: dict[str, Any]) -> None:
+    """Give the freed device memory back to the device (torch's caching allocator keeps it otherwise, and the
+    colocated inference engine, another process, could not use it), as verl's offload does."""
+    import torch
+
+    dev = next(iter(params.values())).device if params else None
+    mod = getattr(torch, dev.type, None) if dev is not None and dev.type != "cpu" else None
+    if mod is not None and hasattr(mod, "empty_cache"):
+        mod.empty_cache()
 
 
 class _Merged:
