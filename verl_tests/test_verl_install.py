@@ -192,3 +192,23 @@ def test_checkpoint_methods_see_the_weights_and_leave_them_offloaded(monkeypatch
     eng.to("cuda")
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(bool((p.grad == 0).all()) for p in params)  # gradients come back as zeros, as in verl
+
+
+def test_a_fallback_gets_the_weights_back_from_the_mirrors_first(monkeypatch):
+    import msrl_core.integrations.verl as mv
+
+    eng, params = _small_engine(monkeypatch)
+    eng.to("cpu")
+    monkeypatch.setattr(mv, "_SETTINGS", mv.Settings(weights="verl"))
+    seen = {}
+
+    def original(self, base_sync_done=False, **kw):
+        seen["weights"] = all(p.untyped_storage().nbytes() > 0 for p in params)
+        seen["grads"] = any(p.grad.untyped_storage().nbytes() > 0 for p in params)
+        return iter(()), None
+
+    monkeypatch.setitem(mv.ORIGINAL, "get_per_tensor_param", original)
+    gen, peft = eng.get_per_tensor_param(base_sync_done=True)
+    assert list(gen) == [] and peft is None
+    assert seen == {"weights": True, "grads": False}  # verl's loader never sees freed storages
+    assert not eng._msrl_offload.model_offloaded
