@@ -47,6 +47,7 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     eng.optimizer = torch.optim.Adam(list(params.values()), lr=0.0)  # state, unchanged weights
     eng.optimizer.step()
     before = iu.crcs(params)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()}
     eng.to("cpu")
     off = eng._msrl_offload
     res["offloaded"] = {
@@ -57,6 +58,8 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
         ),
         "weight_bytes": off.stats.weight_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "storages": len(storages),  # DDP: one parameter buffer (padded) per dtype / expert kind
+        "storage_bytes": sum(storages.values()),
     }
     # verl's update_weights order: get_per_tensor_param with the weights offloaded brings them back first
     again, _ = verl_util.collect(eng.get_per_tensor_param()[0])

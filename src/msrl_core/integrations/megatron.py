@@ -138,7 +138,7 @@ class HFWeightExport:
         cfg, train = megatron_layout(chunks, hf_config, ps)
         plan = self.plan(cfg, train)
         stream = stream_buckets(
-            chunks[0],
+            chunk_params(chunks),  # the unwrapped module's parameters (a wrapper may rename nothing)
             plan,
             parallel_groups(train, ps),
             names="hf",
