@@ -161,9 +161,8 @@ class OffloadStats:
 
     weight_bytes: int = 0
     grad_bytes_freed: int = 0  # gradients are freed without a copy (as verl does) and zeroed on load
-    optimizer_bytes: dict[str, int] = field(
-        default_factory=dict
-    )  # TrainingStateOffload's freed bytes by kind
+    # TrainingStateOffload's freed bytes by kind
+    optimizer_bytes: dict[str, int] = field(default_factory=dict)
     host_mirror_bytes: int = 0
     host_new_bytes: int = 0  # pinned bytes the last weight offload allocated (0 once the mirrors exist)
     offload_s: float = 0.0
