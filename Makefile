@@ -135,5 +135,27 @@ test-vllm: setup-vllm
 	cd vllm_tests && ../$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
 	  -W ignore::FutureWarning -W ignore::UserWarning -W ignore::DeprecationWarning .
 
+# Optional tier (not in `make test`): TransferQueue 0.1.11's own end-to-end test files (key-value interface,
+# lifecycle, checkpointing; they ship in its wheel), unmodified, with its SimpleStorage and with msrl_core's
+# MsrlDock storage backend in the same run (tq_tests/conftest.py), plus tq_tests/. Own environment.
+TQ_VENV ?= .venv-tq
+TQ_E2E_FILES := test_kv_interface_e2e.py test_e2e_lifecycle_consistency.py test_checkpoint_e2e.py
+.PHONY: setup-tq test-tq
+setup-tq:
+	@[ -x $(TQ_VENV)/bin/python ] || $(PY) -m venv $(TQ_VENV)
+	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/tq.txt
+	$(TQ_VENV)/bin/python -m pip install -q --no-build-isolation .
+
+# Two passes: TQ's files with SimpleStorage and MsrlDock (+ tq_tests), then TQ's key-value file with
+# msrl_core.compat.transfer_queue installed as `transfer_queue` (+ its tests). pytest's own exit codes fail
+# the target (5: nothing collected); the conftest also fails a run that misses an upstream file or backend.
+test-tq: setup-tq
+	e2e=$$($(TQ_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests/e2e; \
+	  MSRL_TQ_UPSTREAM="$(TQ_E2E_FILES)" $(TQ_VENV)/bin/python -m pytest -c tq_tests/pytest.ini \
+	  tq_tests $(addprefix $$e2e/,$(TQ_E2E_FILES)) && \
+	  MSRL_TQ_COMPAT=1 MSRL_TQ_UPSTREAM=test_kv_interface_e2e.py $(TQ_VENV)/bin/python -m pytest \
+	  -c tq_tests/pytest.ini tq_tests $$e2e/test_kv_interface_e2e.py
+
 clean:
-	rm -rf build dist $(VENV) $(VLLM_VENV)
+	rm -rf build dist $(VENV) $(VLLM_VENV) $(TQ_VENV)
