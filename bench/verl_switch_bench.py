@@ -127,10 +127,9 @@ class Sender:
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
-    import integrations_util as iu
+    import megatron_harness
 
-    iu.init_worker(rank, world, port)
-    iu.run_cases(_bench_case, rank, world, cases, out)
+    megatron_harness.serve(rank, world, port, cases, out, _bench_case)
 
 
 def _bench_case(case: dict, rank: int, world: int) -> dict:

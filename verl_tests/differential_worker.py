@@ -76,5 +76,6 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
 
 
 def main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
-    iu.init_worker(rank, world, port)
-    iu.run_cases(differential_case, rank, world, cases, out)
+    import megatron_harness
+
+    megatron_harness.serve(rank, world, port, cases, out, differential_case)
