@@ -6,10 +6,13 @@ How verl runs here (mbridge, the TE-spec names, DDP-wrapped chunks): verl_util.p
 
 from __future__ import annotations
 
+import dataclasses
+
 import differential_worker
 import pytest
 
 import megatron_harness
+from reshard_util import CONFIGS
 
 DENSE = dict(
     arch="qwen2",
@@ -21,19 +24,8 @@ DENSE = dict(
     vocab_size=512,  # a multiple of 128 x TP: no vocabulary padding (verl's mbridge export does not trim it)
     qkv_bias=True,
 )
-MOE = dict(
-    arch="qwen3_moe",
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=512,
-    qk_norm=True,
-    num_experts=4,
-    moe_intermediate_size=32,
-)
+# Qwen3-MoE: 4 heads / 2 KV heads, head_dim 16, q/k norms, 4 experts (reshard_util's config, vocab 512)
+MOE = dataclasses.asdict(dataclasses.replace(CONFIGS["qwen3_moe"], vocab_size=512))
 TIED = dict(
     arch="llama",
     hidden_size=64,
