@@ -1,7 +1,8 @@
 """The switch with nothing to gather (training TP, EP and PP 1): one direct fused copy per parameter from
 its own storage into the inference buffer — no pack into a scratch, no gather, no collective — and the
 rollout weights equal the training weights bit for bit; the swap back restores every byte exactly. And with
-something to gather, the pack on a CPU device runs on the copy engine."""
+something to gather, the pack on a CPU device runs on the copy engine, and the ranks agree per 16 MiB
+gathered rather than per (small) bucket."""
 
 from __future__ import annotations
 
@@ -160,3 +161,68 @@ def test_the_pack_on_a_cpu_device_is_one_copy_engine_batch_per_bucket(monkeypatc
         want = torch.from_numpy(gathered_bucket(plan, b, shards))[: b.local_bytes]
         assert torch.equal(gathered[: b.local_bytes], want), b.index
     assert engine.batches == len(buckets) and engine.executes == []
+
+
+def _tp2_rank0_alone(monkeypatch, bucket_bytes: int, fail_at: int | None = None):
+    """Rank 0 of a TP 2 switch run alone: the exchange with the (absent) peer is a no-op, every status
+    agreement is recorded. Returns the plan, the agreements' verdicts and the raised error (or None)."""
+    from msrl_core.reshard import swap
+    from reshard_util import random_shards
+
+    plan = to_hf(CONFIGS["qwen2_gqa_bias"], Parallel(tp=2))
+    params = random_shards(plan)[(0, 0, 0)]
+    verdicts: list[bool] = []
+
+    def agree(ok, *a, **k):
+        verdicts.append(bool(ok))
+        return ok, True
+
+    monkeypatch.setattr(steps, "_exchange", lambda *a, **k: None)
+    monkeypatch.setattr(swap, "agree", agree)
+    prep = steps.Prepared(
+        params, 0, 0, {"tp": "p2p", "ep": "p2p"}, torch.device("cpu"), steps.Deadline(60), bucket_bytes
+    )
+    sw = Switcher(plan)
+    flat, _ = plan.allocate_inference()
+    tele = sw._new_telemetry(prep, flat, [], bucket_bytes, False)
+
+    def fail(b):
+        if b is not None and b.index == fail_at:
+            raise msrl_core.errors.OutOfMemory(f"injected OOM packing bucket {fail_at}")
+
+    err = None
+    try:
+        sw._reshard_buckets(prep, {}, flat, bucket_bytes, sw.engine, False, tele, swap._Meter(), fail)
+    except Exception as e:
+        err = e
+    return plan, verdicts, err
+
+
+def test_the_ranks_agree_per_16_mib_gathered_not_per_small_bucket(monkeypatch):
+    """Small buckets: one status agreement before the buckets, one per AGREE_BYTES gathered, one after the
+    last; buckets of AGREE_BYTES or more: one per bucket (as before)."""
+    from msrl_core.reshard import swap
+
+    monkeypatch.setattr(swap, "AGREE_BYTES", 64 << 10)
+    plan, verdicts, err = _tp2_rank0_alone(monkeypatch, 4 << 10)
+    buckets = plan.buckets(4 << 10)
+    since, want = 0, 1
+    for k, b in enumerate(buckets):
+        since += b.gathered_bytes
+        if since >= 64 << 10 or k == len(buckets) - 1:
+            since, want = 0, want + 1
+    assert err is None and all(verdicts)
+    assert len(verdicts) == want < 1 + len(buckets) // 4, (len(verdicts), len(buckets))
+    _, verdicts, _ = _tp2_rank0_alone(monkeypatch, 64 << 10)
+    assert len(verdicts) == 1 + len(plan.buckets(64 << 10))
+
+
+def test_a_failure_between_agreements_is_agreed_at_the_next_one(monkeypatch):
+    from msrl_core.reshard import swap
+
+    monkeypatch.setattr(swap, "AGREE_BYTES", 64 << 10)
+    plan, verdicts, err = _tp2_rank0_alone(monkeypatch, 4 << 10, fail_at=5)
+    assert isinstance(err, msrl_core.reshard.SwitchAborted) and "bucket 5 " in str(err), err
+    assert "injected OOM packing bucket 5" in str(err)
+    assert verdicts[0] and verdicts[-1] is False  # the first agreement after bucket 5 carries the failure
+    assert verdicts.count(False) == 1  # and the switch stops there

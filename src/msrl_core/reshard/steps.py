@@ -23,6 +23,8 @@ from .plan import Bucket, ReshardPlan
 from .spec import canonical_megatron_name
 
 DEFAULT_TIMEOUT = 300.0
+#: gathered bytes between two status agreements of a switch (one per bucket when buckets are this large)
+AGREE_BYTES = 16 << 20
 
 
 def group_size(g) -> int:

@@ -6,8 +6,9 @@ fused copy per parameter, no pack, no scratch, no collective.
 
 One :class:`Switcher` per plan owns what outlives a switch: the pinned host mirrors, the copy engine and
 pinned pool it uses (injectable), and the state (the :class:`Swap` not yet swapped back). The switch runs as
-named steps (:meth:`Switcher.switch`): prepare and agree, reshard the buckets (a status agreement after
-every bucket), verify, swap out and agree again, guard the swapped-out parameters.
+named steps (:meth:`Switcher.switch`): prepare and agree, reshard the buckets (a status agreement per
+``AGREE_BYTES`` of gathered buckets and after the last), verify, swap out and agree again, guard the
+swapped-out parameters.
 
 Memory: ``SwapTelemetry`` separates device bytes (training shard, inference buffer, gather scratch) from host
 bytes (pinned mirrors, pool). ``peak_bytes`` is the accounted sum; ``measured_peak_bytes`` (``measure=True``)
@@ -31,6 +32,7 @@ from .memory import MemoryProbe
 from .mirrors import EngineAndPool, HostMirrors, Storage, unique_storages
 from .plan import INFER_RANK_ATTR, Bucket, ReshardPlan, views_of
 from .steps import (
+    AGREE_BYTES,
     DEFAULT_TIMEOUT,
     Deadline,
     Gatherer,
@@ -476,8 +478,11 @@ class Switcher(EngineAndPool):
         meter: _Meter,
         fail: Callable[[Bucket | None], None] | None,
     ) -> None:
-        """Gather every bucket and copy it into the inference buffer. After every bucket the ranks agree on
-        a status (one tiny all-reduce), so a failure on one rank at bucket k raises on every rank there.
+        """Gather every bucket and copy it into the inference buffer. The ranks agree on a status (one tiny
+        all-reduce) after every ``AGREE_BYTES`` of gathered buckets and after the last one, so a failure on
+        one rank at bucket k raises on every rank at the next agreement (the failed rank keeps taking part in
+        the gathers until then, copying nothing). Per 1 MiB bucket the agreement cost as much as the gather
+        on gloo (e2e TP 2 profile: 32 agreements 0.071 s, 29 exchanges 0.064 s of a 0.19 s switch).
         ``pipeline``: two gather scratches; bucket k+1 is gathered while the fused copy of bucket k runs."""
         import torch
 
@@ -514,10 +519,11 @@ class Switcher(EngineAndPool):
             failed = (buckets[0], e)
         try:
             ok, _ = agree(failed is None, groups, prep.device, 0, deadline)  # the scratch exists everywhere
+            since = 0  # bytes gathered since the last agreement
             for k, b in enumerate(buckets if ok else []):
                 gathered, err = gatherer.gather(b, scratches[k % len(scratches)], deadline)
                 if err is not None:
-                    failed = (b, err)
+                    failed = failed or (b, err)
                 if pending is not None:
                     failed = failed or finish(pending)
                     pending = None
@@ -533,7 +539,12 @@ class Switcher(EngineAndPool):
                     if pending is not None and not pipeline:
                         failed = failed or finish(pending)
                         pending = None
-                ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
+                # the ranks agree once per AGREE_BYTES gathered (every bucket when buckets are that large) and
+                # after the last bucket; a rank that failed keeps taking part in the gathers until then
+                since += b.gathered_bytes
+                if since >= AGREE_BYTES or k == len(buckets) - 1:
+                    since = 0
+                    ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
                 if not ok:
                     break
             else:
@@ -667,11 +678,11 @@ def allgather_swap(
     ``timeout``: seconds for the whole switch; every wait inside it gets the time that is left.
     ``switcher``: the :class:`Switcher` owning the mirrors and state (default: :func:`default_switcher`).
 
-    Every check runs before the ranks agree (one tiny all-reduce), and the ranks also agree after every
-    bucket and after the swap-out: one rank's bad input or failure raises on every rank (``ReshardError`` /
-    :class:`SwitchAborted`), with the training weights untouched or restored everywhere. Between the switch
-    and ``wait()`` the swapped-out parameters must not be read: torch functions on them raise
-    ``SwapStateError`` (see ``guard.py``).
+    Every check runs before the ranks agree (one tiny all-reduce), and the ranks also agree during the
+    buckets (per 16 MiB gathered, and after the last) and after the swap-out: one rank's bad input or failure
+    raises on every rank (``ReshardError`` / :class:`SwitchAborted`), with the training weights untouched or
+    restored everywhere. Between the switch and ``wait()`` the swapped-out parameters must not be read: torch
+    functions on them raise ``SwapStateError`` (see ``guard.py``).
     """
     sw = switcher or default_switcher(plan)
     if sw.plan is not plan:
