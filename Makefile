@@ -68,8 +68,8 @@ cpp-tsan: build-tsan
 
 lint: apt venv
 	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')
-	$(VPY) -m ruff check src python_tests vllm_tests bench examples cpp_tests
-	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples cpp_tests
+	$(VPY) -m ruff check src python_tests vllm_tests verl_tests bench examples cpp_tests
+	$(VPY) -m ruff format --check src python_tests vllm_tests verl_tests bench examples cpp_tests
 	$(VPY) -m mypy
 
 py-test: install
@@ -158,4 +158,4 @@ test-tq: setup-tq
 	  -c tq_tests/pytest.ini tq_tests $$e2e/test_kv_interface_e2e.py
 
 clean:
-	rm -rf build dist $(VENV) $(VLLM_VENV) $(TQ_VENV)
+	rm -rf build dist $(VENV) $(VLLM_VENV) $(TQ_VENV) $(VERL_VENV)

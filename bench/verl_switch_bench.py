@@ -21,7 +21,8 @@ systems interleaved (A B A B ...); per run, on every rank together (barrier firs
 The tensors both systems yield are compared after timing (names, shapes, dtypes, values). Prints one JSON
 line per system (rank 0's medians, ``max_rank_s`` the slowest rank's median) and one with the ratios.
 
-    .venv-verl/bin/python bench/verl_switch_bench.py [--world 2] [--tp 2] [--pp 1] [--layers 8] [--reps 5]
+    .venv-verl/bin/python bench/verl_switch_bench.py [--world 2] [--tp 2] [--pp 1] [--ep 1] [--moe]
+        [--layers 8] [--reps 5] [--bucket-mib 16]
 """
 
 from __future__ import annotations
@@ -59,6 +60,24 @@ def bench_model(layers: int) -> dict:
         intermediate_size=2816,
         vocab_size=32768,
         qkv_bias=True,
+    )
+
+
+def bench_moe_model(layers: int) -> dict:
+    """Qwen3-MoE-style: hidden 1024, 16 heads / 4 KV heads (head_dim 64), 16 experts with FFN 256, vocab
+    32768 (4 layers: 119 M parameters)."""
+    return dict(
+        arch="qwen3_moe",
+        hidden_size=1024,
+        num_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2816,
+        vocab_size=32768,
+        qk_norm=True,
+        num_experts=16,
+        moe_intermediate_size=256,
     )
 
 
@@ -108,10 +127,9 @@ class Sender:
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
-    import integrations_util as iu
+    import megatron_harness
 
-    iu.init_worker(rank, world, port)
-    iu.run_cases(_bench_case, rank, world, cases, out)
+    megatron_harness.serve(rank, world, port, cases, out, _bench_case)
 
 
 def _bench_case(case: dict, rank: int, world: int) -> dict:
@@ -180,6 +198,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--moe", action="store_true", help="the Qwen3-MoE-style model (bench_moe_model)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--bucket-mib", type=int, default=16, help="msrl stream bucket (MSRL_VERL_BUCKET_MB)")
@@ -192,9 +212,10 @@ def main() -> None:
 
     case = {
         "name": "switch",
-        "model": bench_model(a.layers),
+        "model": (bench_moe_model if a.moe else bench_model)(a.layers),
         "tp": a.tp,
         "pp": a.pp,
+        "ep": a.ep,
         "reps": a.reps,
         "bucket_mib": a.bucket_mib,
         "sender_mib": a.sender_mib,
@@ -218,6 +239,8 @@ def main() -> None:
         "world": a.world,
         "tp": a.tp,
         "pp": a.pp,
+        "ep": a.ep,
+        "model": "qwen3_moe" if a.moe else "qwen2",
         "layers": a.layers,
         "dtype": "bfloat16",
         "statistic": f"median of {a.reps} interleaved runs after one warm-up",

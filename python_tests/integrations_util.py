@@ -5,44 +5,7 @@ tier, verl_tests/): a real megatron-core GPTModel on CPU over gloo, its weights 
 
 from __future__ import annotations
 
-import os
-import sys
-import traceback
 import zlib
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def init_worker(rank: int, world: int, port: int) -> None:
-    sys.path.insert(0, HERE)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import megatron_compat
-
-    megatron_compat.patch()
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def run_cases(fn, rank: int, world: int, cases: list[dict], out: str) -> None:
-    """``fn(case, rank, world)`` per case (errors recorded, the test asserts on them); results to ``out``."""
-    import json
-
-    import torch.distributed as dist
-
-    results: dict = {}
-    for case in cases:
-        try:
-            results[case["name"]] = fn(case, rank, world)
-        except Exception as e:
-            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
 
 
 def build(case: dict):
@@ -176,5 +139,6 @@ def export_and_offload_case(case: dict, rank: int, world: int) -> dict:
 
 
 def quick_main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
-    init_worker(rank, world, port)
-    run_cases(export_and_offload_case, rank, world, cases, out)
+    import megatron_harness
+
+    megatron_harness.serve(rank, world, port, cases, out, export_and_offload_case)

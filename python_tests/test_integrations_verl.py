@@ -5,6 +5,7 @@ mirror offload round-trips weights, gradients and Adam state; an unsupported ver
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,17 +15,9 @@ import pytest
 
 import integrations_util
 import megatron_harness
+from reshard_util import CONFIGS
 
-QWEN2 = dict(
-    arch="qwen2",
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    intermediate_size=96,
-    vocab_size=1000,
-    qkv_bias=True,
-)
+QWEN2 = dataclasses.asdict(CONFIGS["qwen2_gqa_bias"])  # GQA 8/2 heads, QKV bias, vocab 1000 (padded: 1024)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,11 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     res["peft_config"] = peft
     res["twice"] = theirs_twice + ours_twice
     res["ours_vs_verl"] = iu.compare(ours, theirs)
+    if "lm_head.weight" in theirs and "lm_head.weight" not in ours:  # tied embeddings, PP > 1 (see the test)
+        res["verl_lm_head_equals_embedding"] = torch.equal(
+            theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"]
+        )
+        res["ours_vs_verl_but_lm_head"] = iu.compare(ours, theirs)
     res["ours_buckets"] = eng._msrl_export.telemetry.buckets
     res["dtypes"] = sorted({str(t.dtype) for t in ours.values()})
     _, train = megatron_layout(eng.module, hf_config, ps)
@@ -42,6 +47,7 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     eng.optimizer = torch.optim.Adam(list(params.values()), lr=0.0)  # state, unchanged weights
     eng.optimizer.step()
     before = iu.crcs(params)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()}
     eng.to("cpu")
     off = eng._msrl_offload
     res["offloaded"] = {
@@ -52,6 +58,8 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
         ),
         "weight_bytes": off.stats.weight_bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "storages": len(storages),  # DDP: one parameter buffer (padded) per dtype / expert kind
+        "storage_bytes": sum(storages.values()),
     }
     # verl's update_weights order: get_per_tensor_param with the weights offloaded brings them back first
     again, _ = verl_util.collect(eng.get_per_tensor_param()[0])
@@ -68,5 +76,6 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
 
 
 def main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
-    iu.init_worker(rank, world, port)
-    iu.run_cases(differential_case, rank, world, cases, out)
+    import megatron_harness
+
+    megatron_harness.serve(rank, world, port, cases, out, differential_case)

@@ -138,3 +138,77 @@ def test_settings_name_the_bad_value(env, msg):
     assert mv.settings({"MSRL_VERL_BUCKET_MB": "8", "MSRL_VERL_COPY": "1"}) == mv.Settings(
         bucket_bytes=8 << 20, copy=True
     )
+
+
+def _small_engine(monkeypatch):
+    import torch
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    eng = object.__new__(MegatronEngineWithLMHead)
+    eng.module = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))]
+    params = list(eng.module[0].parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    eng.optimizer = torch.optim.Adam(params, lr=0.0)
+    eng.optimizer.step()
+    eng._is_offload_param = eng._is_offload_optimizer = True
+    return eng, params
+
+
+@pytest.mark.parametrize("method", ["save_checkpoint", "load_checkpoint"])
+@pytest.mark.parametrize("fails", [False, True])
+def test_checkpoint_methods_see_the_weights_and_leave_them_offloaded(monkeypatch, method, fails):
+    import torch
+
+    import msrl_core.integrations.verl as mv
+
+    eng, params = _small_engine(monkeypatch)
+    before = [p.detach().clone() for p in params]
+    eng.to("cpu")  # verl's device name on this CPU machine is "cuda": "cpu" offloads
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    seen = {}
+
+    def original(self, local_path, *a, **k):
+        seen["weights"] = all(p.untyped_storage().nbytes() > 0 for p in params)
+        seen["moments"] = all(
+            self.optimizer.state[p]["exp_avg"].untyped_storage().nbytes() > 0 for p in params
+        )
+        seen["flags"] = (self._is_offload_param, self._is_offload_optimizer)
+        seen["path"] = local_path
+        if fails:
+            raise OSError("disk full")
+
+    monkeypatch.setitem(mv.ORIGINAL, method, original)
+    if fails:
+        with pytest.raises(OSError, match="disk full"):
+            getattr(eng, method)("/ckpt/step_3")
+    else:
+        getattr(eng, method)("/ckpt/step_3")
+    assert seen == {"weights": True, "moments": True, "flags": (False, False), "path": "/ckpt/step_3"}
+    # afterwards (also after an error): verl's flags back, everything offloaded through the mirrors again
+    assert (eng._is_offload_param, eng._is_offload_optimizer) == (True, True)
+    assert eng._msrl_offload.model_offloaded and eng._msrl_offload.optimizer_offloaded
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    eng.to("cuda")
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(bool((p.grad == 0).all()) for p in params)  # gradients come back as zeros, as in verl
+
+
+def test_a_fallback_gets_the_weights_back_from_the_mirrors_first(monkeypatch):
+    import msrl_core.integrations.verl as mv
+
+    eng, params = _small_engine(monkeypatch)
+    eng.to("cpu")
+    monkeypatch.setattr(mv, "_SETTINGS", mv.Settings(weights="verl"))
+    seen = {}
+
+    def original(self, base_sync_done=False, **kw):
+        seen["weights"] = all(p.untyped_storage().nbytes() > 0 for p in params)
+        seen["grads"] = any(p.grad.untyped_storage().nbytes() > 0 for p in params)
+        return iter(()), None
+
+    monkeypatch.setitem(mv.ORIGINAL, "get_per_tensor_param", original)
+    gen, peft = eng.get_per_tensor_param(base_sync_done=True)
+    assert list(gen) == [] and peft is None
+    assert seen == {"weights": True, "grads": False}  # verl's loader never sees freed storages
+    assert not eng._msrl_offload.model_offloaded

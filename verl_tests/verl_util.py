@@ -11,8 +11,9 @@ Why mbridge (verl's ``vanilla_mbridge=True``) rather than Megatron-Bridge (verl'
 on PyPI needs Python >= 3.12 from 0.4 on (0.3.x predates the ``export_hf_weights`` verl 0.9.1 calls), and
 this machine has Python 3.11. Both feed the same ``get_per_tensor_param`` contract.
 
-Why no DDP wrapper: megatron-core's ``DistributedDataParallel`` allocates its buffers with CUDA streams; the
-chunks are the bare ``GPTModel`` (what verl's forward-only reference engine holds).
+The chunk is wrapped in megatron-core's ``DistributedDataParallel`` as in verl's actor engine (contiguous
+parameter and gradient buffers: what verl's offload and ours move); it builds on a CPU under msrl_core's
+megatron-core CPU layer.
 """
 
 from __future__ import annotations
@@ -74,16 +75,27 @@ def te_view(model: Any) -> Any:
     return TESpecNames()
 
 
-def verl_engine(model: Any, hf_config: Any) -> Any:
+def ddp_chunk(module: Any, config: Any) -> Any:
+    """``module`` wrapped as verl's actor engine wraps its chunks (``make_megatron_module``, wrap_with_ddp):
+    megatron-core DDP with the distributed optimizer's contiguous parameter and gradient buffers."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    return DistributedDataParallel(config, ddp_config, module)
+
+
+def verl_engine(model: Any, hf_config: Any, ddp: bool = True) -> Any:
     """verl's ``MegatronEngineWithLMHead`` around one chunk, as its own CPU tests build engines
-    (``object.__new__`` with the attributes ``get_per_tensor_param`` and ``to`` read): the vanilla mbridge
-    bridge built from the HF config, no LoRA, no QAT."""
+    (``object.__new__`` with the attributes ``get_per_tensor_param`` and ``to`` read): the chunk wrapped in
+    DDP as in verl's actor (``ddp=False``: the bare chunk of its forward-only reference engine), the vanilla
+    mbridge bridge built from the HF config, no LoRA, no QAT."""
     import torch
     from verl.models.mcore.mbridge import AutoBridge
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
     eng = object.__new__(MegatronEngineWithLMHead)
-    eng.module = [te_view(model)]
+    chunk = te_view(model)
+    eng.module = [ddp_chunk(chunk, model.config) if ddp else chunk]
     eng.bridge = AutoBridge.from_config(hf_config, dtype=torch.float32)
     eng.vanilla_bridge = True
     eng.peft_cls = None

@@ -138,7 +138,7 @@ class HFWeightExport:
         cfg, train = megatron_layout(chunks, hf_config, ps)
         plan = self.plan(cfg, train)
         stream = stream_buckets(
-            chunks[0],
+            chunk_params(chunks),  # the unwrapped module's parameters (a wrapper may rename nothing)
             plan,
             parallel_groups(train, ps),
             names="hf",
@@ -161,9 +161,8 @@ class OffloadStats:
 
     weight_bytes: int = 0
     grad_bytes_freed: int = 0  # gradients are freed without a copy (as verl does) and zeroed on load
-    optimizer_bytes: dict[str, int] = field(
-        default_factory=dict
-    )  # TrainingStateOffload's freed bytes by kind
+    # TrainingStateOffload's freed bytes by kind
+    optimizer_bytes: dict[str, int] = field(default_factory=dict)
     host_mirror_bytes: int = 0
     host_new_bytes: int = 0  # pinned bytes the last weight offload allocated (0 once the mirrors exist)
     offload_s: float = 0.0
@@ -226,6 +225,7 @@ class MirrorOffload(EngineAndPool):
         self._grads += freed
         self.stats.grad_bytes_freed = sum(s.nbytes for s in self._grads)
         self.stats.host_mirror_bytes = self._host.nbytes
+        _release_cached(params)
         self.stats.offload_s = time.perf_counter() - t0
 
     def load_model(self, chunks: Sequence[Any], *, grad: bool = True) -> None:
@@ -258,10 +258,10 @@ class MirrorOffload(EngineAndPool):
             self._state_offload = TrainingStateOffload(
                 grads=False, optimizer_state=True, master_weights=True, engine=self.engine, pool=self.pool
             )
-        self._state = self._state_offload.offload(
-            chunk_params(chunks), _Merged(optimizer), timeout=self.timeout
-        )
+        params = chunk_params(chunks)
+        self._state = self._state_offload.offload(params, _Merged(optimizer), timeout=self.timeout)
         self.stats.optimizer_bytes = dict(self._state.telemetry.freed_bytes)
+        _release_cached(params)
 
     def load_optimizer(self) -> None:
         if self._state is None:
@@ -269,6 +269,17 @@ class MirrorOffload(EngineAndPool):
         self._state.swap_back()
         self._state.wait()
         self._state = None
+
+
+def _release_cached(params: dict[str, Any]) -> None:
+    """Give the freed device memory back to the device (torch's caching allocator keeps it otherwise, and the
+    colocated inference engine, another process, could not use it), as verl's offload does."""
+    import torch
+
+    dev = next(iter(params.values())).device if params else None
+    mod = getattr(torch, dev.type, None) if dev is not None and dev.type != "cpu" else None
+    if mod is not None and hasattr(mod, "empty_cache"):
+        mod.empty_cache()
 
 
 class _Merged:

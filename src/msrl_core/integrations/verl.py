@@ -159,15 +159,16 @@ _warned: set[str] = set()
 
 def get_per_tensor_param(self: Any, base_sync_done: bool = False, **kwargs: Any) -> tuple[Any, Any]:
     """verl's contract: ``(iterator of (hf_name, tensor), peft_config)``, every rank iterating to the end."""
+    off = getattr(self, "_msrl_offload", None)
+    if off is not None and off.model_offloaded:
+        # first, also before verl's own export: verl's loader knows nothing of the mirrors.
+        # As in verl, the weights come back and the gradients do not.
+        off.load_model(self.module, grad=False)
     reason = fallback_reason(self)
     if reason is None:
-        off = getattr(self, "_msrl_offload", None)
-        if off is not None and off.model_offloaded:
-            off.load_model(self.module, grad=False)  # as verl: the weights come back, the gradients do not
-        else:
-            from verl.utils.megatron_utils import load_megatron_model_to_gpu
+        from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
-            load_megatron_model_to_gpu(self.module, load_grad=False)  # a no-op unless verl's code offloaded
+        load_megatron_model_to_gpu(self.module, load_grad=False)  # a no-op unless verl's own code offloaded
         try:
             # the checks and the ranks' agreement run before this returns: every rank raises alike
             return _export(self).weights(self.module, self.model_config.hf_config), None
@@ -186,9 +187,8 @@ def to(self: Any, device: str, model: bool = True, optimizer: bool = True, grad:
     from verl.utils import device as verl_device
     from verl.workers.engine.base import BaseEngine
 
-    BaseEngine.to(
-        self, device=device, model=model, optimizer=optimizer, grad=grad
-    )  # verl's own argument check
+    # verl's own argument check
+    BaseEngine.to(self, device=device, model=model, optimizer=optimizer, grad=grad)
     device_name = verl_device.get_device_name()
     off = _offload(self)
     opt = getattr(self, "optimizer", None)
