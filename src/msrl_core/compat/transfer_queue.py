@@ -293,7 +293,7 @@ class Client:
                 [keys[p] for p in positions], sorted(set(group_cols)), partition=partition_id, output="torch"
             )
             for field, col in zip(fields, group_cols):
-                kind, value = _msrl_tq.decode_column(col, batch.data[col], self.codec)
+                kind, value = _msrl_tq.decode_column(col, batch[col], self.codec)
                 parts[field].append((positions, kind, value))
         return TensorDict({f: _msrl_tq.pack_field(parts[f], n) for f in fields}, batch_size=n)
 

@@ -404,7 +404,7 @@ class MsrlDockStorageManager(StorageManager):
                 self.dock.get, [keys[p] for p in positions], wanted, partition=PARTITION, output="torch"
             )
             for field, col in zip(fields, group_cols):
-                kind, value = decode_column(col, batch.data[col], self.codec)
+                kind, value = decode_column(col, batch[col], self.codec)
                 parts[field].append((positions, kind, value))
         return TensorDict({f: pack_field(parts[f], n) for f in fields}, batch_size=n)
 
