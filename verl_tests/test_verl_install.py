@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+QWEN2 = SimpleNamespace(model_type="qwen2")
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -95,6 +97,10 @@ def test_a_changed_method_signature_fails_at_import_and_patches_nothing():
             {"model_config": SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v3"))},
             "model_type 'deepseek_v3'",
         ),
+        (
+            {"model_config": SimpleNamespace(hf_config=QWEN2, mtp=SimpleNamespace(enable=True))},
+            "MTP layers are on",
+        ),
         ({}, None),
     ],
 )
@@ -106,7 +112,7 @@ def test_fallback_to_verls_own_export(attrs, reason):
         _qat_enabled=False,
         bridge=SimpleNamespace(),
         module=[object()],
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen2")),
+        model_config=SimpleNamespace(hf_config=QWEN2),
     )
     for k, v in attrs.items():
         setattr(eng, k, v)

@@ -10,9 +10,9 @@ subclasses, which do not override them):
 - ``get_per_tensor_param``: the ``(hf_name, tensor)`` iterator verl's rollout side loads is produced by
   :class:`~msrl_core.integrations.megatron.HFWeightExport` (``stream_buckets`` under Hugging Face names:
   one bucketed gather and one fused copy per bucket) instead of Megatron-Bridge / mbridge exporting one
-  parameter at a time. Returns ``(iterator, None)`` like verl's. LoRA, QAT, FP8 export, virtual pipeline
-  stages and architectures msrl_core's plan does not know fall back to verl's own method (one warning
-  says why);
+  parameter at a time. Returns ``(iterator, None)`` like verl's. LoRA, QAT, FP8 export, MTP layers,
+  virtual pipeline stages, architectures msrl_core's plan does not know and any model its checks reject
+  (every rank alike, after their agreement) fall back to verl's own method (one warning says why);
 - ``to``: weight offload to persistent pinned host mirrors in one batched copy each way
   (:class:`~msrl_core.integrations.megatron.MirrorOffload`), and the optimizer state and fp32 master
   weights through :class:`~msrl_core.reshard.TrainingStateOffload`, instead of verl's pageable per-buffer
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from msrl_core.errors import Unsupported
+from msrl_core.reshard import ReshardError
 
 from .megatron import HFWeightExport, MirrorOffload
 
@@ -143,6 +144,8 @@ def fallback_reason(engine: Any) -> str | None:
         return "QAT is on"
     if getattr(getattr(engine, "bridge", None), "export_weight_dtype", None) == "fp8":
         return "the bridge exports FP8"
+    if getattr(getattr(engine.model_config, "mtp", None), "enable", False):
+        return "MTP layers are on"
     if len(engine.module) != 1:
         return f"{len(engine.module)} model chunks (virtual pipeline stages)"
     model_type = getattr(engine.model_config.hf_config, "model_type", None)
@@ -157,19 +160,23 @@ _warned: set[str] = set()
 def get_per_tensor_param(self: Any, base_sync_done: bool = False, **kwargs: Any) -> tuple[Any, Any]:
     """verl's contract: ``(iterator of (hf_name, tensor), peft_config)``, every rank iterating to the end."""
     reason = fallback_reason(self)
-    if reason is not None:
-        if reason not in _warned:
-            _warned.add(reason)
-            logger.warning("msrl_core.integrations.verl: verl's own get_per_tensor_param is used: %s", reason)
-        return ORIGINAL["get_per_tensor_param"](self, base_sync_done=base_sync_done, **kwargs)
-    off = getattr(self, "_msrl_offload", None)
-    if off is not None and off.model_offloaded:
-        off.load_model(self.module, grad=False)  # as verl: the weights come back, the gradients do not
-    else:
-        from verl.utils.megatron_utils import load_megatron_model_to_gpu
+    if reason is None:
+        off = getattr(self, "_msrl_offload", None)
+        if off is not None and off.model_offloaded:
+            off.load_model(self.module, grad=False)  # as verl: the weights come back, the gradients do not
+        else:
+            from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
-        load_megatron_model_to_gpu(self.module, load_grad=False)  # a no-op unless verl's own code offloaded
-    return _export(self).weights(self.module, self.model_config.hf_config), None
+            load_megatron_model_to_gpu(self.module, load_grad=False)  # a no-op unless verl's code offloaded
+        try:
+            # the checks and the ranks' agreement run before this returns: every rank raises alike
+            return _export(self).weights(self.module, self.model_config.hf_config), None
+        except ReshardError as e:
+            reason = f"msrl_core's plan does not fit this model: {e}"
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("msrl_core.integrations.verl: verl's own get_per_tensor_param is used: %s", reason)
+    return ORIGINAL["get_per_tensor_param"](self, base_sync_done=base_sync_done, **kwargs)
 
 
 def to(self: Any, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:

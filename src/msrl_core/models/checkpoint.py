@@ -105,8 +105,10 @@ class SafetensorsCheckpoint:
             if not isinstance(wm, dict):
                 raise CheckpointError(f"{index}: weight_map is not an object")
             self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
+            self.listing = index
         elif os.path.isfile(single):
             self.weight_map = {}
+            self.listing = single
             for name in self._open(SINGLE).keys():  # noqa: SIM118 (a safe_open handle)
                 self.weight_map[name] = SINGLE
         else:
@@ -135,7 +137,7 @@ class SafetensorsCheckpoint:
         """The stored shape; a :class:`CheckpointError` naming the file when the tensor is absent."""
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r} (not in {self.listing})")
         f = self._open(file)
         try:
             return tuple(int(x) for x in f.get_slice(name).get_shape())
@@ -173,8 +175,10 @@ def _check_params(plan: ReshardPlan, params: dict[str, Any], stage: int) -> None
         raise CheckpointError(f"the Megatron shards do not fit {plan.cfg.arch} {plan.train}: {e}") from e
 
 
-def _check_checkpoint(plan: ReshardPlan, targets: list[Target], ckpt: SafetensorsCheckpoint) -> None:
-    for name in dict.fromkeys(pc.hf for t in targets for pc in t.pieces):
+def _check_checkpoint(plan: ReshardPlan, ckpt: SafetensorsCheckpoint) -> None:
+    """Every tensor of the model is in the checkpoint with the shape ``config.json`` implies (headers only):
+    a partial checkpoint is refused on every rank, also where this rank's slices happen to be present."""
+    for name in plan.hf:
         want = plan.hf[name].shape
         have = ckpt.shape(name)
         if have != want:
@@ -223,12 +227,12 @@ def load_hf_checkpoint(
     (default ``ModelConfig.from_pretrained(path)``; the dtype is the parameters'). Only the slices this rank
     holds are read (and cast to the parameters' dtype); Megatron's vocab-padding rows are zeroed.
 
-    Everything is checked before any parameter is written: a missing file or tensor, a tensor whose shape is
-    not what ``config.json`` implies, a parameter missing from the model or mis-shaped raise a
-    :class:`CheckpointError` naming the file and the tensor. With torch.distributed initialised the ranks of
-    ``group`` (default: the world) agree on the checks within ``timeout`` seconds, so all raise together and
-    every one of them must call this; a rank whose own check passed raises an error saying another rank's
-    failed."""
+    Everything is checked before any parameter is written: a missing file or tensor (of the whole model, not
+    only this rank's part), a tensor whose shape is not what ``config.json`` implies, a parameter missing
+    from the model or mis-shaped raise a :class:`CheckpointError` naming the file and the tensor. With
+    torch.distributed initialised the ranks of ``group`` (default: the world) agree on the checks within
+    ``timeout`` seconds, so all raise together and every one of them must call this; a rank whose own check
+    passed raises an error saying another rank's failed."""
     import torch
 
     local_error: Exception | None = None
@@ -249,7 +253,7 @@ def load_hf_checkpoint(
         targets = plan.megatron_targets(layout.pp_rank, layout.tp_rank, layout.ep_rank)
         _check_params(plan, params, layout.pp_rank)
         ckpt = SafetensorsCheckpoint(path)
-        _check_checkpoint(plan, targets, ckpt)
+        _check_checkpoint(plan, ckpt)
     except Exception as e:
         local_error = e
     device = next(iter(params.values())).device if params else torch.device("cpu")

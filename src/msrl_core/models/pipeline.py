@@ -118,26 +118,36 @@ def finish_grads(model: Any) -> None:
     """Complete the gradients of one batch that every rank of the model's groups ran alike (a driver's
     batch mirrored on its followers), before the optimizer step:
 
+    - TP > 1 with QK norm: the q/k layernorm weights (shared by all heads; each TP rank saw its own heads)
+      get the sum of the TP ranks' gradients, as megatron-core's ``finalize_model_grads`` does;
     - PP > 1 with tied embeddings: the first stage's embedding and the last stage's copy of it (the output
       layer) get the sum of both gradients (all-reduce over megatron-core's embedding group), so both copies
       step alike — what megatron-core's ``finalize_model_grads`` does for a DDP-wrapped model;
-    - EP > 1: expert gradients are divided by the EP size — the token dispatcher brought the same tokens from
-      each EP rank, so every expert saw the batch EP times while the dense layers saw it once.
+    - MoE with EP or TP > 1: expert gradients are divided by the expert TP x EP size — the token dispatcher
+      gathers the tokens over that group (no sequence parallelism: each of its ranks holds the same batch),
+      so every expert saw the batch that many times while the dense layers saw it once.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if ps.get_tensor_model_parallel_world_size() > 1 and getattr(model.config, "qk_layernorm", False):
+        # QK norm weights are shared by the heads, and each TP rank holds only its heads: sum their grads
+        for name, p in model.named_parameters():
+            if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     tied = getattr(model, "share_embeddings_and_output_weights", False)
     if tied and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
         w = model.shared_embedding_or_output_weight()
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         dist.all_reduce(w.grad, group=ps.get_embedding_group())
-    ep = ps.get_expert_model_parallel_world_size()
-    if ep > 1:
-        for p in model.parameters():
-            if p.grad is not None and not getattr(p, "allreduce", True):  # megatron-core marks expert params
-                p.grad.div_(ep)
+    # the token dispatcher gathers the tokens over the expert TP x EP group; without sequence parallelism
+    # every rank of it holds the same batch, so each expert saw it that many times
+    dispatch = ps.get_expert_tensor_and_model_parallel_world_size()
+    if dispatch > 1 and getattr(model.config, "num_moe_experts", None):
+        for name, p in model.named_parameters():
+            if p.grad is not None and ".mlp.experts." in name:  # routed experts (not the shared expert)
+                p.grad.div_(dispatch)
 
 
 def grad_norm(model: Any) -> float:

@@ -354,10 +354,10 @@ class Gatherer:
     calls ``fail(None)`` after allocating its scratch).
 
     The pack: on an accelerator one ``torch._foreach_copy_`` on the current stream (ordered before the
-    collective that reads it); on a CPU device, with ``engine``, one ``copy_many`` batch on the copy
-    engine's own threads — torch's intra-op pool would split every bucket over threads that the rest of the
-    process (and the other ranks on the node) keep busy (a 1 MiB bucket took 4-7 ms in the e2e bench on the
-    loaded 2-core machine, 10-20x a single thread's memcpy)."""
+    collective that reads it); on a CPU device, with ``engine``, one ``copy_many`` batch (``after`` the
+    caller's stream) on the copy engine's own threads. torch's intra-op pool would split every bucket over
+    threads that the rest of the process (and the other ranks on the node) keep busy: a 1 MiB bucket took
+    4-7 ms in the e2e bench on the loaded 2-core machine, 10-20x a single thread's memcpy."""
 
     def __init__(
         self,
@@ -365,9 +365,11 @@ class Gatherer:
         groups: Mapping[str, Any],
         fail: Callable[[Bucket], None] | None = None,
         engine: Any = None,
+        after: Any = None,
     ):
         self.prep, self.groups, self.fail = prep, groups, fail
         self.engine = engine if prep.device.type == "cpu" else None
+        self.after = after  # the caller's stream: the engine's pack is ordered after it, like every copy
         self.pp_group = groups.get("pp")
         self.received = 0
         self.pack_s = self.exchange_s = 0.0
@@ -400,7 +402,7 @@ class Gatherer:
                     for name, shape, _, _, r0, r1 in b.params
                 ]
                 if self.engine is not None:
-                    self.engine.copy_many(dst_views, srcs).wait(
+                    self.engine.copy_many(dst_views, srcs, after=self.after).wait(
                         DEFAULT_TIMEOUT if deadline is None else deadline.left()
                     )
                 else:

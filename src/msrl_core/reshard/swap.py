@@ -1,6 +1,8 @@
 """allgather-swap execution: bucketed all-gather over the caller's process groups, one fused strided copy
 per bucket into the flat inference buffer, swap-out of the training weights to persistent pinned host
-mirrors (storage freed, tensor objects kept), and the asynchronous swap back.
+mirrors (storage freed, tensor objects kept), and the asynchronous swap back. With nothing to gather
+(training TP, EP and PP all 1) the buckets' descriptors run straight from each parameter's storage: one
+fused copy per parameter, no pack, no scratch, no collective.
 
 One :class:`Switcher` per plan owns what outlives a switch: the pinned host mirrors, the copy engine and
 pinned pool it uses (injectable), and the state (the :class:`Swap` not yet swapped back). The switch runs as
@@ -483,7 +485,7 @@ class Switcher(EngineAndPool):
         buckets = plan.buckets(bucket_bytes)
         cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
         cur_stream = current_stream(prep.device)
-        gatherer = Gatherer(prep, groups, fail, engine)
+        gatherer = Gatherer(prep, groups, fail, engine, after=cur_stream)
         one = tele.scratch_bytes // (2 if pipeline else 1)
         scratches: list[Any] = []
         pending: tuple[Any, Bucket] | None = None  # the copy in flight (pipelined)
@@ -656,7 +658,8 @@ def allgather_swap(
     ``gather``: ``"all_gather"`` (one ``all_gather_single`` per bucket), ``"p2p"`` (the same exchange as
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
-    collective elsewhere (NCCL/HCCL).
+    collective elsewhere (NCCL/HCCL). With training TP, EP and PP all 1 nothing is gathered: one fused copy
+    per parameter straight into ``infer`` (``telemetry.gather == "none"``; ``pipeline``: nothing to overlap).
     ``bucket_bytes``: bytes per member and bucket, or ``"auto"``: chosen from free device memory (1/16 of
     it over the group's members, 1-256 MiB, the smallest of the ranks' choices; ``telemetry.bucket_bytes``).
     ``pipeline``: gather bucket k+1 while the fused copy of bucket k runs (two gather scratches).

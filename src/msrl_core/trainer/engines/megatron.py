@@ -22,19 +22,59 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
-import warnings
 from typing import Any
 
 import torch
 
 from msrl_core.reshard import ModelConfig, Parallel
 from msrl_core.reshard.steps import current_stream
-from msrl_core.trainer.engines import megatron_cpu
+from msrl_core.trainer.config import model_config
 
 # operation codes of the rank-0 -> follower protocol
-_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE = range(11)
-_HDR = 8  # header: [op, model, ndim, d0, d1, d2, arg0, arg1]
+_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE, _LOAD = range(12)
+# The header: 8 int64 fields [op, model, ndim, d0, d1, d2, int0, int1] and 2 float64 fields [f0, f1] (stored
+# bit for bit in the same int64 tensor: a float travels as a float, never scaled to an integer).
+_HDR_INTS, _HDR_FLOATS = 8, 2
+_HDR = _HDR_INTS + _HDR_FLOATS
+
+
+def pack_header(
+    op: int,
+    model: int = 0,
+    shape: tuple[int, ...] = (),
+    ints: tuple[int, int] = (0, 0),
+    floats: tuple[float, float] = (0.0, 0.0),
+) -> torch.Tensor:
+    """The fixed binary header of one operation (see ``_HDR_INTS``/``_HDR_FLOATS``)."""
+    if len(shape) > 3:
+        raise ValueError(f"an operation's tensor has at most 3 dims; got shape {shape}")
+    hdr = torch.zeros(_HDR, dtype=torch.int64)
+    hdr[0], hdr[1], hdr[2] = op, model, len(shape)
+    for i, d in enumerate(shape):
+        hdr[3 + i] = d
+    hdr[6], hdr[7] = ints
+    hdr[_HDR_INTS:] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+    return hdr
+
+
+def unpack_header(
+    hdr: torch.Tensor,
+) -> tuple[int, int, tuple[int, ...], tuple[int, int], tuple[float, float]]:
+    """(op, model, shape, ints, floats) of a header from :func:`pack_header`."""
+    hdr = hdr.cpu()
+    nd = int(hdr[2])
+    f = hdr[_HDR_INTS:].clone().view(torch.float64)
+    return (
+        int(hdr[0]),
+        int(hdr[1]),
+        tuple(int(x) for x in hdr[3 : 3 + nd]),
+        (int(hdr[6]), int(hdr[7])),
+        (float(f[0]), float(f[1])),
+    )
+
+
 PG_TIMEOUT_S = 120
 
 
@@ -63,78 +103,11 @@ def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") ->
     )
 
 
-def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None) -> Any:
-    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``) on
-    ``device`` (default: CPU; an accelerator must be the current device, see ``torch_device``): megatron-core
-    initialises it there itself (its RoPE frequencies follow ``use_cpu_initialization``)."""
-    import torch.nn.functional as F
+def build_policy(cfg: Any, tp: int, seed: int, device: Any) -> Any:
+    """This rank's ``GPTModel`` of ``cfg.model`` (``msrl_core.models.build_gpt``: the one builder)."""
+    from msrl_core.models import build_gpt
 
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cpu":  # megatron-core's torch.cuda calls redirected (only when training on the CPU)
-        megatron_cpu.activate(force=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer import TransformerConfig
-
-    from msrl_core.reshard.layout import megatron_padded_vocab
-
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    dtype = getattr(torch, mc.dtype)
-    tc = TransformerConfig(
-        num_layers=mc.num_layers,
-        hidden_size=mc.hidden_size,
-        num_attention_heads=mc.num_attention_heads,
-        num_query_groups=mc.num_key_value_heads,
-        kv_channels=mc.hd,
-        ffn_hidden_size=mc.intermediate_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        use_cpu_initialization=device.type == "cpu",
-        perform_initialization=True,
-        init_method_std=0.02,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=mc.qkv_bias,
-        qk_layernorm=mc.qk_norm,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.model.norm_epsilon),
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        attention_softmax_in_fp32=True,
-    )
-    spec = get_gpt_layer_local_spec(qk_layernorm=mc.qk_norm, normalization="RMSNorm")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = GPTModel(
-            tc,
-            spec,
-            vocab_size=megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, tp),
-            max_sequence_length=int(cfg.model.max_position_embeddings),
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=mc.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(cfg.model.rope_theta),
-            parallel_output=False,
-        )
-    return model.to(device)
+    return build_gpt(model_config(cfg.model), Parallel(tp=tp), seed=seed, device=device)
 
 
 class _Model:
@@ -162,7 +135,7 @@ class MegatronTrainEngine:
 
         from msrl_core.trainer.engines import process_group_backend, torch_device
 
-        tp, pp, ep = int(cfg.actor.tp), int(cfg.actor.pp), int(cfg.actor.ep)
+        tp, pp, ep = cfg.actor.tp, cfg.actor.pp, cfg.actor.ep
         if pp != 1 or ep != 1:
             raise NotImplementedError(
                 f"the Megatron engine of this trainer supports tensor parallelism only; got actor.pp={pp}, "
@@ -178,8 +151,13 @@ class MegatronTrainEngine:
             self._procs = _spawn_followers(cfg, seed, tp, port, device)
         init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_gpt(mc, cfg, tp, seed, self.device))]
+        self._models = [_Model(build_policy(cfg, tp, seed, self.device))]
         self.module = self._models[0].module
+        if cfg.model.path:  # the checkpoint's weights, this rank's shard (the reshard plan in reverse)
+            from msrl_core.models import ShardLayout, load_hf_checkpoint
+
+            layout = ShardLayout(train=self.parallel, tp_rank=rank)
+            load_hf_checkpoint(self.module, cfg.model.path, layout, config=mc)
         from megatron.core import parallel_state as ps
 
         self.ps = ps
@@ -197,15 +175,16 @@ class MegatronTrainEngine:
         return self.parallel.tp
 
     def _announce(
-        self, op: int, model: int = 0, shape: tuple[int, ...] = (), a0: int = 0, a1: int = 0
+        self,
+        op: int,
+        model: int = 0,
+        shape: tuple[int, ...] = (),
+        ints: tuple[int, int] = (0, 0),
+        floats: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         if self.world == 1 or self.rank != 0:
             return
-        hdr = torch.zeros(_HDR, dtype=torch.int64)
-        hdr[0], hdr[1], hdr[2] = op, model, len(shape)
-        for i, d in enumerate(shape):
-            hdr[3 + i] = d
-        hdr[6], hdr[7] = a0, a1
+        hdr = pack_header(op, model, shape, ints, floats)
         self._dist.broadcast(hdr.to(self.device), src=0, group=self.tp_group)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
@@ -216,10 +195,8 @@ class MegatronTrainEngine:
     def serve(self) -> None:
         """Follower loop: run rank 0's operations until it sends STOP."""
         while True:
-            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device)).cpu()
-            op, model, nd = int(hdr[0]), int(hdr[1]), int(hdr[2])
-            shape = tuple(int(x) for x in hdr[3 : 3 + nd])
-            a0, a1 = int(hdr[6]), int(hdr[7])
+            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device))
+            op, model, shape, (a0, a1), (f0, f1) = unpack_header(hdr)
             if op == _STOP:
                 return
             m = self._models[model]
@@ -237,9 +214,9 @@ class MegatronTrainEngine:
             elif op == _ZERO:
                 m.optimizer.zero_grad(set_to_none=True)
             elif op == _STEP:
-                self._clip_and_step(m, a0 / 1e6)
+                self._clip_and_step(m, f0)
             elif op == _OPT:
-                self._make_optimizer(m, a0 / 1e12, a1 / 1e12)
+                self._make_optimizer(m, f0, f1)
             elif op == _SWITCH:
                 self._switch(bool(a0), a1)
             elif op == _BACK:
@@ -248,6 +225,9 @@ class MegatronTrainEngine:
                 self._clone()
             elif op == _SAVE:
                 self._save_follower(a0)
+            elif op == _LOAD:
+                path = self._bcast(torch.zeros(shape, dtype=torch.uint8, device=self.device))
+                self._load_follower(bytes(path.cpu().tolist()).decode())
 
     def close(self) -> None:
         """Stop the followers (rank 0)."""
@@ -310,9 +290,7 @@ class MegatronTrainEngine:
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_gpt(  # process groups: no deepcopy
-            self.model_config, self.cfg, self.parallel.tp, self.seed, self.device
-        )
+        ref = build_policy(self.cfg, self.parallel.tp, self.seed, self.device)  # process groups: no deepcopy
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -333,6 +311,18 @@ class MegatronTrainEngine:
             None,
             None,
         )
+        self._dist.barrier(group=self.tp_group)
+
+    def _load_follower(self, path: str) -> None:
+        from pathlib import Path
+
+        from msrl_core.trainer import checkpoint as ckpt
+
+        state, opt, _ = ckpt.load(Path(path), self.rank)
+        _load(self.module, {k[7:]: v for k, v in state.items() if k.startswith("policy/")})
+        if len(self._models) > 1:
+            _load(self._models[1].module, {k[4:]: v for k, v in state.items() if k.startswith("ref/")})
+        self._models[0].optimizer.load_state_dict(opt)
         self._dist.barrier(group=self.tp_group)
 
     # ---- the TrainEngine interface (rank 0) -------------------------------------------------------------
@@ -368,7 +358,7 @@ class MegatronTrainEngine:
 
     def init_optimizer(self, lr: float, weight_decay: float) -> None:
         with self._lock:
-            self._announce(_OPT, 0, (), int(round(lr * 1e12)), int(round(weight_decay * 1e12)))
+            self._announce(_OPT, floats=(lr, weight_decay))
             self._make_optimizer(self._models[0], lr, weight_decay)
 
     def zero_grad(self) -> None:
@@ -378,13 +368,13 @@ class MegatronTrainEngine:
 
     def clip_and_step(self, max_norm: float) -> float:
         with self._lock:
-            self._announce(_STEP, 0, (), int(round(max_norm * 1e6)))
+            self._announce(_STEP, floats=(max_norm, 0.0))
             return self._clip_and_step(self._models[0], max_norm)
 
     def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
         """``allgather_swap`` of this rank's shard into rank 0's HF-layout ``flat`` buffer (every rank)."""
         with self._lock:
-            self._announce(_SWITCH, 0, (), int(swap), bucket_bytes)
+            self._announce(_SWITCH, ints=(int(swap), bucket_bytes))
             self._infer, self._infer_plan = flat, plan
             return self._switch(swap, bucket_bytes)
 
@@ -403,7 +393,16 @@ class MegatronTrainEngine:
         """Followers write their shards of the checkpoint of ``step`` (into its temporary directory)."""
         if self.world > 1:
             with self._lock:
-                self._announce(_SAVE, 0, (), step)
+                self._announce(_SAVE, ints=(step, 0))
+                self._dist.barrier(group=self.tp_group)
+
+    def load_followers(self, path: str | os.PathLike[str]) -> None:
+        """Followers load their shards (policy, reference, optimizer) of the checkpoint at ``path``."""
+        if self.world > 1:
+            data = torch.tensor(list(os.fsencode(os.fspath(path))), dtype=torch.uint8)
+            with self._lock:
+                self._announce(_LOAD, 0, tuple(data.shape))
+                self._bcast(data.to(self.device))
                 self._dist.barrier(group=self.tp_group)
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -455,9 +454,10 @@ def _load(module: Any, state: dict[str, Any]) -> None:
 
 def _spawn_followers(cfg: Any, seed: int, world: int, port: int, device: str) -> Any:
     import torch.multiprocessing as mp
-    from omegaconf import OmegaConf
 
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    from msrl_core.trainer.config import to_yaml
+
+    text = to_yaml(cfg)
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_follower_main, args=(r, world, port, text, seed, device), daemon=True)
@@ -482,10 +482,12 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
+    from msrl_core.reshard.errors import CheckpointError
+    from msrl_core.trainer.config import from_yaml
 
-    from msrl_core.trainer.config import model_config
-
-    cfg: Any = OmegaConf.create(cfg_yaml)
-    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port, device=device)
+    cfg = from_yaml(cfg_yaml)
+    try:
+        engine = MegatronTrainEngine(cfg, model_config(cfg.model), seed, rank=rank, port=port, device=device)
+    except CheckpointError:  # every rank raises it together; rank 0 reports it
+        sys.exit(1)
     engine.serve()
