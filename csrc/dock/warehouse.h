@@ -99,9 +99,12 @@ class Warehouse {
   static constexpr int kMaxColumns = 1024;
   int num_columns() const { return ncols_.load(std::memory_order_acquire); }
   // A column declared at run time (ids are dense: the new one is num_columns()). Thread-safe.
-  int add_column(const ColumnSpec& spec);
+  // external: caller-owned memory for the arena (arena bytes of the column; it must outlive the
+  // warehouse; it does not grow), or null.
+  int add_column(const ColumnSpec& spec, uint8_t* external = nullptr);
   // Gives an undeclared column (a placeholder nothing was written to) its type.
-  void set_column(int column, const ColumnSpec& spec);
+  void set_column(int column, const ColumnSpec& spec, uint8_t* external = nullptr);
+  bool declared(int column) const;
 
   // Validates and reserves space; throws (state unchanged) on a row out of range, a row already
   // written (unless overwrite: its old bytes stay readable until commit), a negative length or an arena

@@ -99,6 +99,8 @@ class ControllerState:
         self.core = _core.DockCore(columns, stages, capacity, group_size, warehouses, store_bytes=False)
         self.capacity, self.group_size = capacity, group_size
         self.warehouses: list[Any] = []  # the warehouse actors' handles (attach_warehouses), for reset
+        self.decl_lock = threading.Lock()  # a run-time column is visible once every warehouse has it
+        self.op_timeout = 60.0
 
     def attach_warehouses(self, handles: list[Any]) -> None:
         """The warehouse actors, given once: passing actor handles with every reset() grows Ray's
@@ -132,11 +134,12 @@ class ControllerState:
         stage: int = -1,
         claim_id: int = 0,
         put_id: int = 0,
+        p: int = 0,
     ) -> None:
         """Publishes a put: columns are (column id, lengths or None) (lengths where a stage balances by
         the column); completes the putting claim (stage, claim_id) or, for plain row ids, the claims of
         the stages that wrote the columns; ends the put."""
-        self.core.publish(put_id, columns, rows, stage, claim_id)
+        self.core.publish(put_id, columns, rows, stage, claim_id, p)
 
     def end_put(self, put_id: int, give_rows_back: bool = True) -> tuple[bool, int]:
         """Ends a put that was not published: (whether it was still in flight — then nothing of it is
@@ -211,6 +214,112 @@ class ControllerState:
     def close(self) -> None:
         self.core.close()
 
+    # -- the keyed store: the native DockCore's rules; bytes of erased rows are erased in the warehouses --
+
+    def partition(self, name: str, create: bool) -> int:
+        return self.core.partition(name, create)
+
+    def partition_names(self) -> list[str]:
+        return self.core.partition_names()
+
+    def column_info(self, name: str) -> tuple | None:
+        with self.decl_lock:
+            return self.core.column_info(name)
+
+    def declare_column(self, column: tuple, per_warehouse: list[tuple]) -> int:
+        """Declares a run-time column here (the native check) and in every warehouse (its arena there)."""
+        with self.decl_lock:
+            cid = self.core.declare_column(column)
+            refs = [h.declare_column.remote(cid, t) for h, t in zip(self.warehouses, per_warehouse)]
+            ray_get(refs, "warehouses", self.op_timeout)
+            return cid
+
+    def begin_put_keys(
+        self, p: int, keys: list, cids: list[int], overwrite: bool
+    ) -> tuple[int, np.ndarray, np.ndarray, int, bool]:
+        put, rows, fresh, epoch, rewrites = self.core.begin_put_keys(p, keys, cids, overwrite)
+        return put, rows, fresh.astype(np.uint8), epoch, rewrites
+
+    def publish_keys(
+        self, put: int, rows: np.ndarray, p: int, columns: list, tags: list | None, versions: list[int]
+    ) -> None:
+        self.core.publish_keys(put, rows, p, columns, tags, versions)
+
+    def check_put_in(
+        self, p: int, rows: np.ndarray, epoch: int = -1, stage: int = -1, claim_id: int = 0
+    ) -> tuple[int, int]:
+        return self.core.begin_put_in(p, rows, epoch, stage, claim_id)
+
+    def rows_of(self, p: int, keys: list) -> np.ndarray:
+        return self.core.rows_of(p, keys)
+
+    def keys_of(self, p: int, rows: np.ndarray) -> list:
+        return self.core.keys_of(p, rows)
+
+    def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
+        return self.core.list_keys(p)
+
+    def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
+        return self.core.written(p, keys, cids).astype(np.uint8).reshape(-1)  # the wire carries 1-D arrays
+
+    def tag(self, p: int, keys: list, tags: list) -> None:
+        self.core.tag(p, keys, tags)
+
+    def _erase_bytes(self, rows: np.ndarray) -> None:
+        """The rows' bytes in every warehouse holding some (each waits for its reads in flight)."""
+        rows = np.asarray(rows, np.int64)
+        if not len(rows):
+            return
+        wh = self.core.warehouse_of(rows)
+        refs = [
+            (w, h.erase_rows.remote(rows[wh == w], self.op_timeout))
+            for w, h in enumerate(self.warehouses)
+            if (wh == w).any()
+        ]
+        ray_get([r for _, r in refs], "warehouses", self.op_timeout + 5.0)
+
+    def _erase(self, rows: np.ndarray) -> None:
+        # Rows whose bytes could not be erased stay unusable (begin_erase) until the next reset.
+        self._erase_bytes(rows)
+        self.core.end_erase(rows)
+
+    def erase_keys(self, p: int, keys: list) -> None:
+        self._erase(self.core.begin_erase_keys(p, keys))
+
+    def erase_rows(self, p: int, rows: np.ndarray) -> None:
+        self._erase(self.core.begin_erase_rows(p, rows))
+
+    def clear(self, p: int) -> None:
+        self._erase(self.core.begin_clear(p))
+
+    def drop_partition(self, p: int) -> None:
+        self._erase(self.core.begin_clear(p))
+        self.core.drop_partition(p)
+
+    def claim_in(
+        self,
+        p: int,
+        stage: int,
+        max_rows: int,
+        min_rows: int,
+        timeout: float,
+        max_items: int,
+        min_version: int,
+    ) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_in(p, stage, max_rows, min_rows, timeout, max_items, min_version)
+
+    def claim_dp(self, *args: Any) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_dp(*args)
+
+    def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self.core.release_in(p, stage, rows, epoch, claim_id)
+
+    def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self.core.complete_in(p, stage, rows, epoch, claim_id)
+
+    def progress_in(self, p: int, stage: int) -> dict:
+        return self.core.progress(stage, p)
+
     def serve(self) -> Server:
         """Starts the same-node fast path."""
         ops: dict[str, Any] = {
@@ -221,6 +330,18 @@ class ControllerState:
             "end_put": self.end_put,
             "complete": self.complete,
             "release": self.release,
+            "partition": self.partition,
+            "column_info": self.column_info,
+            "begin_put_keys": self.begin_put_keys,
+            "publish_keys": self.publish_keys,
+            "check_put_in": self.check_put_in,
+            "rows_of": self.rows_of,
+            "keys_of": self.keys_of,
+            "written": self.written,
+            "claim_in": self.claim_in,
+            "claim_dp": self.claim_dp,
+            "release_in": self.release_in,
+            "complete_in": self.complete_in,
         }
         return Server(ops, "ctl", **wire_options())
 
@@ -266,20 +387,14 @@ class WarehouseActor:
         self.idle = threading.Condition(self.lock)  # notified when an abandoned far put ends
         self.frozen = False  # between prepare_reset and reset: new puts and fetches are refused
         self.next_id = 0
-        self.fds: list[int] = []
-        self.maps: list[Any] = []
+        self.num_rows = num_rows
+        self.fds: dict[int, int] = {}  # column id -> memfd of its shared arena (declared columns only)
+        self.maps: dict[int, Any] = {}
         external: list[int] = []
         self.shared = shared and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
         if self.shared:
-            import mmap
-
             for c, size in enumerate(_arena_sizes(columns, num_rows)):
-                fd = os.memfd_create(f"msrl-dock-w{wid}-c{c}")
-                os.ftruncate(fd, max(size, 1))
-                mm = mmap.mmap(fd, max(size, 1))  # MAP_SHARED; pages are touched only when written
-                self.fds.append(fd)
-                self.maps.append(mm)
-                external.append(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+                external.append(self._new_arena(c, size))
         self.wh = _core.Warehouse(wid, row_begin, num_rows, columns, external)
         self.server: Server | None = None
         if self.shared:
@@ -311,8 +426,74 @@ class WarehouseActor:
 
     # -- same-node data path (served on the Unix socket) --
 
-    def arena_fds(self) -> tuple[list[int], list[int]]:
-        return [len(m) for m in self.maps], list(self.fds)
+    def _new_arena(self, c: int, size: int) -> int:
+        """A shared (memfd) arena for column c; its address."""
+        import mmap
+
+        fd = os.memfd_create(f"msrl-dock-w{self.wid}-c{c}")
+        os.ftruncate(fd, max(size, 1))
+        mm = mmap.mmap(fd, max(size, 1))  # MAP_SHARED; pages are touched only when written
+        self.fds[c] = fd
+        self.maps[c] = mm
+        return np.frombuffer(mm, dtype=np.uint8).ctypes.data
+
+    def arena_fds(self) -> tuple[list[list[int]], list[int]]:
+        """([column ids, arena sizes], fds) of the declared columns' shared arenas."""
+        with self.lock:
+            cids = sorted(self.fds)
+            return [cids, [len(self.maps[c]) for c in cids]], [self.fds[c] for c in cids]
+
+    def declare_column(self, cid: int, column: tuple) -> None:
+        """A run-time column (id from the controller): placeholders keep the ids aligned when declarations
+        arrive out of order; an existing declaration is kept (the controller checked the type)."""
+        with self.lock:
+            while self.wh.num_columns < cid:
+                n = self.wh.num_columns
+                self.wh.add_column((f"#{n}", "uint8", False, [], 0, False, "uint8"), 0, False)
+            if cid < self.wh.num_columns and self.wh.declared(cid):
+                return
+            ext = self._new_arena(cid, _arena_sizes([column], self.num_rows)[0]) if self.shared else 0
+            if cid < self.wh.num_columns:
+                self.wh.set_column(cid, column, ext)
+            else:
+                self.wh.add_column(column, ext)
+
+    def _exclusive(self, what: str, timeout: float) -> None:
+        """Waits (self.lock held on return) until no read is in flight here; refuses while zero-copy views
+        are alive. For rewrites and erases, which free or rewrite bytes readers copy without the lock."""
+        deadline = time.monotonic() + timeout
+        pause = 0.0001
+        self.lock.acquire()
+        try:
+            while True:
+                if self.pins:
+                    raise InvalidArgument(
+                        f"{what} while zero-copy fetch views of {len(self.pins)} fetch(es) are alive; drop "
+                        "them first; nothing was changed"
+                    )
+                if not self.leases:
+                    return
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"{what} waited {timeout:g} s for fetches in flight; nothing was changed")
+                self.lock.release()
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+                self.lock.acquire()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def erase_rows(self, rows: np.ndarray, timeout: float = 60.0) -> None:
+        """Erases every column of rows (erase by key): their bytes are free at once."""
+        self._exclusive("erase", timeout)
+        try:
+            cids = [c for c in range(self.wh.num_columns) if self.wh.declared(c)]
+            self.wh.erase(cids, rows)
+        finally:
+            self.lock.release()
+
+    def column_stats(self, cid: int) -> dict[str, int]:
+        return self.wh.column_stats(cid)
 
     def reserve(self, cols: list[tuple], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
         with self.lock:
@@ -360,10 +541,19 @@ class WarehouseActor:
 
     # -- Ray path (other nodes, or no shared memory) --
 
-    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1) -> int:
+    def put(self, inputs: list[tuple], rows: np.ndarray, epoch: int = -1, overwrite: bool = False) -> int:
         """A far client's put: stored all or nothing, registered while it stores like a same-node
         reservation (reset refuses meanwhile; reset(force) abandons it: then what it stored is erased and
-        it raises, so no byte of it reaches a later iteration)."""
+        it raises, so no byte of it reaches a later iteration). overwrite: cells already written are
+        rewritten, with no read in flight here (it waits for them and holds reads back meanwhile)."""
+        if overwrite:
+            self._exclusive("overwrite", 60.0)
+            try:
+                self._check_epoch(epoch)
+                self.wh.put(inputs, rows, True)
+            finally:
+                self.lock.release()
+            return len(rows)
         with self.lock:
             self._check_epoch(epoch)
             self.next_id += 1

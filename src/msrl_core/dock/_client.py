@@ -28,7 +28,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
 
 try:
     import ray
@@ -59,7 +59,7 @@ class _Pin:
 
     __slots__ = ("unpinner", "w", "lid", "arenas")
 
-    def __init__(self, unpinner: _Unpinner, w: int, lid: int, arenas: list[np.ndarray]):
+    def __init__(self, unpinner: _Unpinner, w: int, lid: int, arenas: dict[int, np.ndarray]):
         self.unpinner, self.w, self.lid, self.arenas = unpinner, w, lid, arenas
 
     def __del__(self) -> None:
@@ -80,7 +80,7 @@ class _Unpinner:
         self.thread: threading.Thread | None = None
         self.live = 0  # pins made and not yet unpinned
 
-    def pin(self, w: int, lid: int, arenas: list[np.ndarray]) -> _Pin:
+    def pin(self, w: int, lid: int, arenas: dict[int, np.ndarray]) -> _Pin:
         with self.lock:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="msrl-dock-unpin", daemon=True)
@@ -136,13 +136,13 @@ class RayBackend:
         self.capacity, self.group_size = capacity, group_size
         self.op_timeout = op_timeout
         self.fast_path = fast_path
-        self._col_list = list(columns.values())
+        self._cols_by_id: dict[int, Column] = dict(enumerate(columns.values()))
         self._local = threading.local()
         # Every thread's connections (weakly: a thread that ends closes its own), closed with the client.
         self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _close_all, self._threads)
         self._node: str | None = None
-        self._arena_maps: dict[int, list[np.ndarray]] = {}
+        self._arena_maps: dict[int, dict[int, np.ndarray]] = {}
         self._arena_lock = threading.Lock()
         self.balance_by = balance_by
         self.length_column = list(columns).index(balance_by) if balance_by else -1
@@ -200,7 +200,16 @@ class RayBackend:
         cols = self.columns
         return (
             _rebuild,
-            (cols, self.capacity, self.group_size, self.op_timeout, self.fast_path, self.balance_by, handles),
+            (
+                cols,
+                self.capacity,
+                self.group_size,
+                self.op_timeout,
+                self.fast_path,
+                self.balance_by,
+                handles,
+                self._cols_by_id,
+            ),
         )
 
     # -- plumbing --
@@ -257,24 +266,27 @@ class RayBackend:
         """True when every warehouse is near (see _near)."""
         return all(self._near(w) for w in range(self.num_warehouses))
 
-    def _arenas(self, w: int) -> list[np.ndarray]:
+    def _arenas(self, w: int, need: Any = ()) -> dict[int, np.ndarray]:
+        """Column id -> this process's mapping of warehouse w's shared arena; mapped again when a column
+        in `need` (declared at run time since) is missing."""
         maps = self._arena_maps.get(w)
-        if maps is None:
+        if maps is None or any(c not in maps for c in need):
             import mmap
 
             with self._arena_lock:
                 maps = self._arena_maps.get(w)
-                if maps is None:
+                if maps is None or any(c not in maps for c in need):
                     key = f"warehouse {w}"
                     conn = self._conn(key, self.wh_endpoints[w])
                     assert conn is not None
-                    sizes, fds = self._rpc(conn, "arena_fds", (), 0.0, fds=True)
-                    maps = []
+                    (cids, sizes), fds = self._rpc(conn, "arena_fds", (), 0.0, fds=True)
+                    maps = dict(maps or {})
                     try:
-                        if len(sizes) != len(fds):
+                        if not len(cids) == len(sizes) == len(fds):
                             raise Unavailable(f"{key} sent {len(fds)} arena fds for {len(sizes)} arenas")
-                        for size, fd in zip(sizes, fds):
-                            maps.append(np.frombuffer(mmap.mmap(fd, int(size)), dtype=np.uint8))
+                        for c, size, fd in zip(cids, sizes, fds):
+                            if int(c) not in maps:
+                                maps[int(c)] = np.frombuffer(mmap.mmap(fd, int(size)), dtype=np.uint8)
                     finally:
                         for fd in fds:
                             os.close(fd)
@@ -304,7 +316,7 @@ class RayBackend:
         the reservations to commit (on error, those made are aborted)."""
         src = []  # source byte offsets of every row, per column
         for cid, vals, lengths in inputs:
-            col = self._col_list[cid]
+            col = self._cols_by_id[cid]
             flat = vals.reshape(-1).view(np.uint8)
             if lengths is None:
                 offs = np.arange(len(rows), dtype=np.int64) * col.item_bytes
@@ -319,7 +331,7 @@ class RayBackend:
                 spec = [(cid, None if lengths is None else lengths[pos]) for cid, _, lengths in inputs]
                 rid, dst = self._wh(w, "reserve", spec, rows[pos], epoch)
                 reserved.append((w, rid))
-                arenas = self._arenas(w)
+                arenas = self._arenas(w, [cid for cid, _, _ in inputs])
                 for (cid, _, _), (flat, offs), (dst_offs, nbytes) in zip(inputs, src, dst):
                     _core.dock_copy_rows(arenas[cid], dst_offs, flat, offs[pos], nbytes)
         except BaseException:
@@ -332,15 +344,16 @@ class RayBackend:
             with contextlib.suppress(MsrlError):
                 self._wh(w, "abort", rid)
 
-    def _store(self, inputs: list[tuple], rows: np.ndarray, epoch: int) -> None:
+    def _store(self, inputs: list[tuple], rows: np.ndarray, epoch: int, overwrite: bool = False) -> None:
         """Stores a put's bytes, all or nothing: near warehouses get reserve -> copy into the shared
-        arena -> commit, far ones a Ray call each (in parallel); a failure anywhere undoes the rest."""
+        arena -> commit, far ones a Ray call each (in parallel); a failure anywhere undoes the rest.
+        A rewrite (overwrite) goes through the warehouse actors, which hold their reads back meanwhile."""
         parts = self._split(rows)
-        near = [(w, pos) for w, pos in parts if self._near(w)]
-        far = [(w, pos) for w, pos in parts if not self._near(w)]
+        near = [(w, pos) for w, pos in parts if self._near(w) and not overwrite]
+        far = [(w, pos) for w, pos in parts if not self._near(w) or overwrite]
         reserved = self._reserve_near(inputs, rows, near, epoch)
         try:
-            self._put_far(inputs, rows, far, epoch)  # all or nothing among the far warehouses
+            self._put_far(inputs, rows, far, epoch, overwrite)  # all or nothing among the far warehouses
         except BaseException:
             self._abort_near(reserved)
             raise
@@ -395,7 +408,7 @@ class RayBackend:
         if not len(rows) or (wh != wh[0]).any() or not self._near(int(wh[0])):
             return [(a, lens, False) for a, lens in self.fetch_many(cols, rows, "packed", epoch)]
         w = int(wh[0])
-        arenas = self._arenas(w)
+        arenas = self._arenas(w, [cid for cid, _ in cols])
         lid, located = self._wh(w, "locate", [cid for cid, _ in cols], rows, epoch, True)
         pin: _Pin | None = None
         span: Any = None
@@ -438,13 +451,17 @@ class RayBackend:
         epoch: int,
         stage: int = -1,
         claim_id: int = 0,
+        p: int = 0,
+        publish: Any = None,
+        overwrite: bool = False,
     ) -> None:
         """Stores and publishes a put the controller registered as put_id in iteration `epoch` (a reset
         waits for it; a forced one abandons it, and the warehouses then refuse its bytes). On failure the
         put is ended: when nothing was stored its new rows go back; when its bytes may be stored they are
         erased and its rows stay allocated until the next reset (a later put must not find them written)."""
         try:
-            self._store(inputs, rows, epoch)
+            if inputs:
+                self._store(inputs, rows, epoch, overwrite)
         except BaseException as e:  # all or nothing: stored nothing, unless an answer was lost (Timeout)
             with contextlib.suppress(MsrlError):
                 self._ctl("end_put", put_id, not isinstance(e, Timeout))
@@ -452,7 +469,10 @@ class RayBackend:
         # Lengths travel only for the column a stage balances its claims by.
         marks = [(cid, lengths if cid == self.length_column else None) for cid, _, lengths in inputs]
         try:
-            self._ctl("mark_ready", marks, rows, stage, claim_id, put_id)
+            if publish is None:
+                self._ctl("mark_ready", marks, rows, stage, claim_id, put_id, p)
+            else:
+                publish(marks)
         except BaseException as e:
             # An answered error: the controller ended the put (its rows stay until the next reset).
             answered = isinstance(e, MsrlError) and not isinstance(e, (Timeout, Unavailable))
@@ -473,7 +493,12 @@ class RayBackend:
         return int(now) == epoch  # ended by its publish; a forced reset (abandoned) moved the iteration
 
     def _put_far(
-        self, inputs: list[tuple], rows: np.ndarray, parts: list[tuple[int, np.ndarray]], epoch: int
+        self,
+        inputs: list[tuple],
+        rows: np.ndarray,
+        parts: list[tuple[int, np.ndarray]],
+        epoch: int,
+        overwrite: bool = False,
     ) -> None:
         """One Ray call per far warehouse with its slice of the values, in parallel; all or nothing."""
         refs = []
@@ -490,7 +515,7 @@ class RayBackend:
                     else:
                         piece = np.concatenate([vals[offs[p] : offs[p + 1]] for p in pos])
                     sub.append((cid, piece, lengths[pos]))
-            refs.append(self.warehouses[w].put.remote(sub, rows[pos], epoch))
+            refs.append(self.warehouses[w].put.remote(sub, rows[pos], epoch, overwrite))
         errors: list[BaseException] = []
         ok: list[tuple[int, np.ndarray]] = []
         for (w, pos), ref in zip(parts, refs):
@@ -521,10 +546,7 @@ class RayBackend:
             "claim", stage, max_rows, min_rows, timeout, max_items, wait=timeout
         )
         # Order by warehouse (groups stay whole) so a fetch concatenates warehouse answers directly.
-        wh = self.warehouse_of(rows)
-        if len(wh) and (np.diff(wh) < 0).any():
-            rows = rows[np.argsort(wh, kind="stable")]
-        return rows, int(epoch), int(claim_id)
+        return self._by_warehouse(rows), int(epoch), int(claim_id)
 
     def release(self, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self._ctl("release", stage, rows, epoch, claim_id)
@@ -548,7 +570,9 @@ class RayBackend:
                 if not near and len(got) == 1 and not (col.ragged and layout == "padded"):
                     results.append(got[0][k])  # one far warehouse's answer as is
                     continue
-                pieces = [(pos, self._arenas(w)[cid], locs[k]) for (w, pos), locs in zip(near, located)]
+                pieces = [
+                    (pos, self._arenas(w, [cid])[cid], locs[k]) for (w, pos), locs in zip(near, located)
+                ]
                 for (_, pos), g in zip(far, got):
                     arr, lens = g[k]
                     lens = np.ones(len(pos), np.int64) if lens is None else lens
@@ -595,25 +619,40 @@ class RayBackend:
 
     # -- the keyed store: the controller's native DockCore keeps keys, tags, partitions --
 
-    def _keyed(self, what: str) -> Any:
-        raise Unsupported(f"{what} is not built for backend='ray' yet (next commit): use backend='local'")
-
     def partition(self, name: str, create: bool) -> int:
-        return self._keyed("partitions")
+        return self._ctl("partition", name, create)
 
     def partition_names(self) -> list[str]:
-        return []
+        return self._get(self.controller.call.remote("partition_names"), "controller")
 
     def column_info(self, name: str) -> tuple | None:
-        return None
+        return self._ctl("column_info", name)
 
     def declare_column(self, name: str, col: Column) -> int:
-        return self._keyed("run-time columns")
+        from msrl_core.dock._local import column_tuple
+
+        per_wh = [column_tuple(name, col, int(n)) for n in self._rows_per_warehouse()]
+        cid = self._get(
+            self.controller.call.remote("declare_column", column_tuple(name, col, 0), per_wh), "controller"
+        )
+        self.columns = {**self.columns, name: col}
+        self._cols_by_id = {**self._cols_by_id, int(cid): col}
+        return int(cid)
+
+    def _rows_per_warehouse(self) -> np.ndarray:
+        return np.bincount(self.group_warehouse, minlength=self.num_warehouses) * self.group_size
 
     def put_keys(
         self, p: int, keys: list, inputs: list[tuple], overwrite: bool, tags: list | None, versions: list[int]
     ) -> np.ndarray:
-        return self._keyed("put by keys")
+        cids = [cid for cid, _, _ in inputs]
+        put_id, rows, _fresh, epoch, rewrites = self._ctl("begin_put_keys", p, keys, cids, overwrite)
+
+        def publish(marks: list) -> None:
+            self._ctl("publish_keys", put_id, rows, p, marks, tags, versions)
+
+        self._put_rows(inputs, rows, put_id, epoch, p=p, publish=publish, overwrite=bool(rewrites))
+        return rows
 
     def put_in(
         self,
@@ -624,34 +663,47 @@ class RayBackend:
         stage: int = -1,
         claim_id: int = 0,
     ) -> None:
-        self._keyed("partitions")
+        put_id, put_epoch = self._ctl("check_put_in", p, rows, epoch, stage, claim_id)
+        self._put_rows(inputs, rows, put_id, put_epoch, stage, claim_id, p)
 
     def rows_of(self, p: int, keys: list) -> np.ndarray:
-        return self._keyed("keys")
+        return self._ctl("rows_of", p, keys)
 
     def keys_of(self, p: int, rows: np.ndarray) -> list:
-        return self._keyed("keys")
+        return self._ctl("keys_of", p, rows)
 
     def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
-        return self._keyed("keys")
+        return self._get(self.controller.call.remote("list_keys", p), "controller")
 
     def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
-        return self._keyed("keys")
+        flat = self._ctl("written", p, keys, cids)
+        return np.asarray(flat, dtype=bool).reshape(len(keys), len(cids))
 
     def tag(self, p: int, keys: list, tags: list) -> None:
-        self._keyed("tags")
+        self._get(self.controller.call.remote("tag", p, keys, tags), "controller")
+
+    def _ctl_ray(self, op: str, *args: Any) -> Any:
+        self._unpinner.flush()  # views dropped here unpin first
+        return self._get(self.controller.call.remote(op, *args), "controller", 2 * self.op_timeout + 5.0)
 
     def erase_keys(self, p: int, keys: list) -> None:
-        self._keyed("erase")
+        self._ctl_ray("erase_keys", p, keys)
 
     def erase_rows(self, p: int, rows: np.ndarray) -> None:
-        self._keyed("erase")
+        self._ctl_ray("erase_rows", p, rows)
 
     def clear(self, p: int) -> None:
-        self._keyed("clear")
+        self._ctl_ray("clear", p)
 
     def drop_partition(self, p: int) -> None:
-        self._keyed("partitions")
+        self._ctl_ray("drop_partition", p)
+
+    def _by_warehouse(self, rows: np.ndarray) -> np.ndarray:
+        """Rows ordered by warehouse (groups stay whole; stable, so every caller gets the same order)."""
+        wh = self.warehouse_of(rows)
+        if len(wh) and (np.diff(wh) < 0).any():
+            rows = rows[np.argsort(wh, kind="stable")]
+        return rows
 
     def claim_in(
         self,
@@ -663,7 +715,10 @@ class RayBackend:
         max_items: int,
         min_version: int,
     ) -> tuple[np.ndarray, int, int]:
-        return self._keyed("partition claims")
+        rows, epoch, claim_id = self._ctl(
+            "claim_in", p, stage, max_rows, min_rows, timeout, max_items, min_version, wait=timeout
+        )
+        return self._by_warehouse(rows), int(epoch), int(claim_id)
 
     def claim_dp(
         self,
@@ -678,19 +733,21 @@ class RayBackend:
         timeout: float,
         min_version: int,
     ) -> tuple[np.ndarray, int, int]:
-        return self._keyed("DP claims")
+        args = (p, stage, rnd, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, min_version)
+        rows, epoch, claim_id = self._ctl("claim_dp", *args, wait=timeout)
+        return self._by_warehouse(rows), int(epoch), int(claim_id)
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
-        self._keyed("partition claims")
+        self._ctl("release_in", p, stage, rows, epoch, claim_id)
 
     def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
-        self._keyed("partition claims")
+        self._ctl("complete_in", p, stage, rows, epoch, claim_id)
 
     def progress_in(self, p: int, stage: int) -> dict:
-        return self._keyed("partitions")
+        return self._get(self.controller.call.remote("progress_in", p, stage), "controller")
 
     def column_stats(self, cid: int) -> list[dict]:
-        return self._keyed("column_stats")
+        return self._get([h.column_stats.remote(cid) for h in self.warehouses], "warehouses")
 
     def shutdown(self) -> None:
         """Kills the actors of this dock."""
@@ -738,8 +795,10 @@ def _close_all(threads: weakref.WeakSet[_ThreadConns]) -> None:
         t.close()
 
 
-def _rebuild(columns, capacity, group_size, op_timeout, fast_path, balance_by, handles) -> RayBackend:
-    return RayBackend(
+def _rebuild(
+    columns, capacity, group_size, op_timeout, fast_path, balance_by, handles, cols_by_id=None
+) -> RayBackend:
+    backend = RayBackend(
         columns,
         {},
         capacity,
@@ -750,3 +809,6 @@ def _rebuild(columns, capacity, group_size, op_timeout, fast_path, balance_by, h
         balance_by=balance_by,
         _handles=handles,
     )
+    if cols_by_id is not None:  # run-time columns keep their native ids
+        backend._cols_by_id = dict(cols_by_id)
+    return backend

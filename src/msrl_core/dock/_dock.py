@@ -262,7 +262,8 @@ class Dock(KeyedMixin):
     ) -> Claim:
         """Claims up to ``max_rows`` ready rows of ``stage`` (whole groups; metadata only).
 
-        ``partition``: only that partition's rows (each partition has its own claims per stage).
+        ``partition``: only that partition's rows (each partition has its own claims per stage); a
+        partition that does not exist yet is created (a consumer may start before its producers).
         ``max_staleness=s, version=v``: only groups whose rows' policy version is ``>= v - s`` (older ones
         are skipped and stay). DP-aware (``dp_size=D, dp_rank=r, batch=b``): the round ``b``'s first call
         claims up to ``D * max_rows`` rows and splits them into D token-balanced shares (by
@@ -310,7 +311,7 @@ class Dock(KeyedMixin):
                 raise InvalidArgument("a DP claim needs dp_size=, dp_rank= and batch= together")
             if items:
                 raise InvalidArgument("a DP claim balances by balance_by itself: max_items does not apply")
-            p = self._pid(partition)
+            p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_dp(
                 p,
                 sid,
@@ -324,7 +325,7 @@ class Dock(KeyedMixin):
                 min_version,
             )
         else:
-            p = self._pid(partition)
+            p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_in(
                 p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version
             )
@@ -392,6 +393,9 @@ class Dock(KeyedMixin):
         as_td = output == "tensordict"
         nested_td = as_td and layout == "nested"
         store_layout = "padded" if layout == "padded" else "packed"
+        # The warehouses check a claim's iteration against reset(); a partition's claims count clears,
+        # which put/release/complete check natively (a fetch after a clear finds its rows erased).
+        read_epoch = epoch_of(meta) if partition_of(meta) is None else -1
         rows = rows_array(meta, self.capacity)
         cids = [self._column_ids[c] for c in columns]
         data: dict[str, Any] = {}
@@ -399,9 +403,9 @@ class Dock(KeyedMixin):
         specs = [(cid, Column("uint8", ragged=True) if col.is_object else col) for cid, col in specs]
         views: set[str] = set()
         if copy or len(rows) == 0:
-            got = self._backend.fetch_many(specs, rows, store_layout, epoch_of(meta))
+            got = self._backend.fetch_many(specs, rows, store_layout, read_epoch)
         else:
-            got = self._backend.fetch_views(specs, rows, epoch_of(meta))
+            got = self._backend.fetch_views(specs, rows, read_epoch)
             views = {name for name, g in zip(columns, got) if g[2]}
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]

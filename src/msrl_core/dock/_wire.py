@@ -221,7 +221,9 @@ def peer_uid(sock: socket.socket) -> int:
 
 def _error_body(e: BaseException) -> bytes:
     if isinstance(e, MsrlError):
-        return encode([type(e).__name__, str(e)])
+        # The message itself: str() of a KeyError subclass (NotFound) would quote it once more per hop.
+        msg = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+        return encode([type(e).__name__, msg])
     return encode(["MsrlError", f"{type(e).__name__}: {e}"])
 
 
