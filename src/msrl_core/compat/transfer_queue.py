@@ -276,7 +276,10 @@ class Client:
         except NotFound:
             raise ValueError(f"keys or partition were not found! partition {partition_id!r}") from None
         cols = [_columns(tags[k]) for k in keys]
-        fields = sorted({f for c in cols for f in c}) if select_fields is None else list(select_fields)
+        if select_fields is None:  # as TQ: the fields every requested key has
+            fields = sorted(set.intersection(*[set(c) for c in cols])) if cols else []
+        else:
+            fields = list(select_fields)
         missing = [(k, f) for k, c in zip(keys, cols) for f in fields if f not in c]
         if missing:
             raise ValueError(

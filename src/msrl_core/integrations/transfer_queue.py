@@ -296,7 +296,9 @@ def decode_column(column: str, got: Any, codec: ObjectCodec) -> tuple[str, Any]:
     lengths = np.diff(np.asarray(got.offsets))
     # With the row lengths' bounds, as torch.nested.as_nested_tensor (SimpleStorage) has them:
     # to_padded_tensor() then pads to the longest row (verl's readers call it), not to the total.
-    bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if len(lengths) else {}
+    bounds: dict[str, Any] = {}
+    if len(lengths):
+        bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
     return "jagged", torch.nested.nested_tensor_from_jagged(values, offsets, **bounds)
 
 
