@@ -46,6 +46,10 @@ collect_ignore = (
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+# The upstream files' module-scoped Ray fixtures.
+RAY_FIXTURES = ("ray_init", "ray_cluster")
+
+
 def _upstream_name(path: Path) -> str | None:
     return path.name if path.name in UPSTREAM_FILES and path.parent.name == "e2e" else None
 
@@ -99,8 +103,13 @@ class _BackendSwitch:
         if hasattr(module, "BACKEND_CONFIGS"):
             for backend in BACKENDS:
                 module.BACKEND_CONFIGS.setdefault(backend, backend_config(backend))
+        # The module's Ray fixture is parametrized too (its value unused), so each backend gets its own Ray
+        # session: TQ's module state in reused Ray worker processes would outlive the previous controller.
+        ray_fixtures = [f for f in RAY_FIXTURES if f in metafunc.fixturenames]
         if "backend_name" in metafunc.fixturenames:
-            metafunc.parametrize("backend_name", BACKENDS, scope="module")
+            names = ["backend_name", *ray_fixtures]
+            values = [tuple([b] * len(names)) if ray_fixtures else b for b in BACKENDS]
+            metafunc.parametrize(names, values, indirect=ray_fixtures, ids=list(BACKENDS), scope="module")
         elif hasattr(module, "_TQ_CONFIG") and "ray_init" in metafunc.fixturenames:
             metafunc.parametrize("ray_init", BACKENDS, indirect=True, scope="module")
         else:
@@ -121,7 +130,8 @@ class _BackendSwitch:
             name = _upstream_name(Path(item.path))
             if name is None:
                 continue
-            backend = item.callspec.params.get("backend_name", item.callspec.params.get("ray_init"))
+            params = item.callspec.params
+            backend = params.get("backend_name", params.get("ray_init"))
             self.counts[(name, backend)] = self.counts.get((name, backend), 0) + 1
             test_id = f"{name}::{'::'.join(item.nodeid.split('::')[1:]).split('[')[0]}"
             if backend == "MsrlDock" and test_id in MSRL_DOCK_LEFT_OUT:

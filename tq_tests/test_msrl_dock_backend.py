@@ -45,7 +45,7 @@ def test_the_dock_holds_rows_by_tq_global_index(tq_msrl) -> None:
     gidx = tq.get_client().kv_retrieve_meta(keys=meta.keys, partition_id="p").global_indexes
     assert stored_keys(tq_msrl) == sorted(gidx)
     batch = tq_msrl.dock.get(list(gidx), ["x::t.int64.1"], partition=msrl_tq.PARTITION, output="torch")
-    assert batch.data["x::t.int64.1"].values.tolist() == [0, 1, 2, 3, 4, 5]
+    assert batch["x::t.int64.1"].values.tolist() == [0, 1, 2, 3, 4, 5]
 
 
 def test_field_addition_and_partial_overwrite(tq_msrl) -> None:

@@ -276,7 +276,10 @@ class Client:
         except NotFound:
             raise ValueError(f"keys or partition were not found! partition {partition_id!r}") from None
         cols = [_columns(tags[k]) for k in keys]
-        fields = sorted({f for c in cols for f in c}) if select_fields is None else list(select_fields)
+        if select_fields is None:  # as TQ: the fields every requested key has
+            fields = sorted(set.intersection(*[set(c) for c in cols])) if cols else []
+        else:
+            fields = list(select_fields)
         missing = [(k, f) for k, c in zip(keys, cols) for f in fields if f not in c]
         if missing:
             raise ValueError(
@@ -293,7 +296,7 @@ class Client:
                 [keys[p] for p in positions], sorted(set(group_cols)), partition=partition_id, output="torch"
             )
             for field, col in zip(fields, group_cols):
-                kind, value = _msrl_tq.decode_column(col, batch.data[col], self.codec)
+                kind, value = _msrl_tq.decode_column(col, batch[col], self.codec)
                 parts[field].append((positions, kind, value))
         return TensorDict({f: _msrl_tq.pack_field(parts[f], n) for f in fields}, batch_size=n)
 

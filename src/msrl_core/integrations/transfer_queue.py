@@ -293,7 +293,13 @@ def decode_column(column: str, got: Any, codec: ObjectCodec) -> tuple[str, Any]:
         return "dense", _from_storage(_torch(got), dtype)
     values = _from_storage(_torch(got.values), dtype)
     offsets = _torch(got.offsets).to(torch.int64)
-    return "jagged", torch.nested.nested_tensor_from_jagged(values, offsets)
+    lengths = np.diff(np.asarray(got.offsets))
+    # With the row lengths' bounds, as torch.nested.as_nested_tensor (SimpleStorage) has them:
+    # to_padded_tensor() then pads to the longest row (verl's readers call it), not to the total.
+    bounds: dict[str, Any] = {}
+    if len(lengths):
+        bounds = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
+    return "jagged", torch.nested.nested_tensor_from_jagged(values, offsets, **bounds)
 
 
 def _per_sample(kind: str, value: Any) -> list[Any]:
@@ -404,7 +410,7 @@ class MsrlDockStorageManager(StorageManager):
                 self.dock.get, [keys[p] for p in positions], wanted, partition=PARTITION, output="torch"
             )
             for field, col in zip(fields, group_cols):
-                kind, value = decode_column(col, batch.data[col], self.codec)
+                kind, value = decode_column(col, batch[col], self.codec)
                 parts[field].append((positions, kind, value))
         return TensorDict({f: pack_field(parts[f], n) for f in fields}, batch_size=n)
 
