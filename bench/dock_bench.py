@@ -5,6 +5,7 @@
       more systems: dock-ray-xnode (fast_path=False: Ray calls only, one node), dock-ray-2node (two raylets
       on this machine, one warehouse and half the stage workers on each)
   python bench/dock_bench.py memory-ray     # 288 MiB bulk cycle through the Ray backend
+  python bench/dock_bench.py fixed-ray [--reps 31]   # same-node fixed costs from a Ray worker (issue 14)
 
 Cases (local):
   claim64       p50/p99 of Dock.claim(64 rows) with 16k rows ready vs a TransferQueue-style numpy rescan
@@ -298,6 +299,87 @@ def bench_memory_local() -> None:
     )
 
 
+# ---- Ray: same-node fixed costs from a worker process -------------------------------------------
+
+
+def _fixed_cost_worker(dock: Dock, reps: int) -> dict:
+    """In a Ray worker on the warehouse's node: medians of a fetch of 64 rows x 1,024 int64 and of a put of
+    64 ragged rows (~0.8 MB), each beside a memcpy of the same bytes into a warm buffer (the baseline)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1 << 30, size=(64, 1024), dtype=np.int64)
+    rows = dock.put({"ids": ids}, partition="fixed", keys=[f"ids{i}" for i in range(64)])
+    lens = rng.integers(1400, 1800, size=64)
+    resp = [rng.integers(0, 1 << 30, size=int(n), dtype=np.int64) for n in lens]
+    packed = np.concatenate(resp)
+    out = {"fetch_bytes": int(ids.nbytes), "put_bytes": int(packed.nbytes)}
+
+    def median_us(fn, n: int) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    got = dock.fetch(rows, ["ids"])["ids"]
+    assert np.array_equal(got, ids)  # verified after warming up, before timing
+    out["fetch_us"] = median_us(lambda: dock.fetch(rows, ["ids"]), reps)
+    dst = np.empty_like(ids)
+    out["fetch_memcpy_us"] = median_us(lambda: np.copyto(dst, ids), reps)
+    k = iter(range(10**9))
+
+    def put() -> None:  # new keys each time: the dock holds every one (capacity reps + 3 puts)
+        i = next(k)
+        dock.put({"resp": resp}, partition="fixed", keys=[f"r{i}/{j}" for j in range(64)])
+
+    out["put_us"] = median_us(put, reps)
+    pdst = np.empty_like(packed)
+    out["put_memcpy_us"] = median_us(lambda: np.copyto(pdst, packed), reps)
+    last = dock.get([f"r{reps}/{j}" for j in range(64)], ["resp"], partition="fixed")["resp"]
+    assert np.array_equal(last.values, packed)
+    return out
+
+
+def bench_fixed_ray(reps: int) -> None:
+    import ray
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python_tests"))
+    from dock_util import init_local_ray
+
+    init_local_ray(300)
+    try:
+        dock = Dock(
+            columns={
+                "ids": Column("int64", shape=(1024,)),
+                "resp": Column("int64", ragged=True, max_len=1800),
+            },
+            capacity=64 * (reps + 3),
+            warehouses=1,
+            backend="ray",
+        )
+        task = ray.remote(num_cpus=0.25)(_fixed_cost_worker)
+        res = ray.get(task.remote(dock, reps), timeout=600)
+        for case in ("fetch", "put"):
+            memcpy = res[f"{case}_memcpy_us"]
+            target = 2 * (memcpy + 100.0)
+            emit(
+                bench="dock_fixed_ray",
+                case=f"{case}_64_rows",
+                bytes=res[f"{case}_bytes"],
+                median_us=round(res[f"{case}_us"], 1),
+                memcpy_us=round(memcpy, 1),
+                target_us=round(target, 1),
+                ratio_to_target=round(res[f"{case}_us"] / target, 3),
+                reps=reps,
+                statistic="median",
+                where="Ray worker on the warehouse's node, same-node fast path",
+            )
+        dock.shutdown()
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -316,6 +398,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser(
         "memory-ray", help="288 MiB bulk cycle through the Ray backend, writer and reader processes"
     )
+    fixed = sub.add_parser("fixed-ray", help="same-node fixed costs of fetch/put from a Ray worker")
+    fixed.add_argument("--reps", type=int, default=31)
     args = ap.parse_args(argv)
     if args.cmd == "local":
         cases = args.cases.split(",")
@@ -325,6 +409,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_put_fetch(args.reps, args.rows, args.warehouses)
         if "memory_bulk" in cases:
             bench_memory_local()
+    elif args.cmd == "fixed-ray":
+        bench_fixed_ray(args.reps)
     elif args.cmd == "memory-ray":
         from grpo_workload import run_bulk_memory
 

@@ -208,3 +208,17 @@ TEST(DockKeys, EraseRacingFetchesNeverFreesBytesBeingCopied) {
   reader.join();
   EXPECT_EQ(d.list_keys(p).keys.size(), 32u);
 }
+
+TEST(DockKeys, IdsOfADroppedPartitionAreRefusedAfterItsSlotIsReused) {
+  DockCore d(config());
+  const int a = d.partition("a", true);
+  d.put_keys(a, {"i0"}, {Tokens(1, 1).input(0)}, false, {}, {});
+  d.drop_partition(a);
+  EXPECT_EQ(code_of([&] { d.rows_of(a, {"i0"}); }), Code::kNotFound);
+  const int b = d.partition("b", true);  // the same slot, another generation
+  EXPECT_NE(a, b);
+  EXPECT_EQ(code_of([&] { d.put_keys(a, {"i1"}, {Tokens(1, 1).input(0)}, false, {}, {}); }), Code::kNotFound);
+  d.put_keys(b, {"i1"}, {Tokens(1, 1).input(0)}, false, {}, {});
+  EXPECT_EQ(d.partition("b", false), b);
+  EXPECT_EQ(d.allocated_rows(), 1);
+}

@@ -125,48 +125,52 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
     MSRL_THROW(kTimeout, "stage '", stage_, "': ", avail * group_size_, " rows ready, fewer than min_rows ", min_rows,
                " (timeout ", timeout_s, " s)");
   }
-  // The eligible groups in FIFO order (all of the queue's head without a version filter).
-  std::vector<size_t> picks;  // positions in queue_
-  for (size_t q = 0; q < queue_.size() && picks.size() < max_groups; ++q) {
-    const int64_t g = queue_[q];
-    bool ok = true;
-    if (min_version != kAnyVersion) {
+  // The eligible groups in FIFO order: the queue's head without a version filter (no list of
+  // positions: the claim hot path), else the positions of the groups passing it.
+  const bool filtered = min_version != kAnyVersion;
+  std::vector<size_t> picks;  // positions in queue_ (filtered only)
+  size_t eligible = std::min(max_groups, queue_.size());
+  if (filtered) {
+    for (size_t q = 0; q < queue_.size() && picks.size() < max_groups; ++q) {
+      const int64_t g = queue_[q];
+      bool ok = true;
       for (int64_t r = g * group_size_; r < (g + 1) * group_size_ && ok; ++r) ok = version_[r] >= min_version;
+      if (ok) picks.push_back(q);
     }
-    if (ok) picks.push_back(q);
+    eligible = picks.size();
   }
-  size_t take = picks.size();
+  auto pos = [&](size_t k) { return filtered ? picks[k] : k; };
+  size_t take = eligible;
   if (max_items > 0) {  // length-balanced: FIFO groups while their items fit the budget
     int64_t items = 0;
     size_t k = 0;
     for (; k < take; ++k) {
-      const int64_t g = queue_[picks[k]];
+      const int64_t g = queue_[pos(k)];
       int64_t gi = 0;
       for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) gi += row_len_[r];
       if (k > 0 && items + gi > max_items) break;
       items += gi;
     }
-    take = std::max<size_t>(k, std::min<size_t>(min_groups, picks.size()));
+    take = std::max<size_t>(k, std::min<size_t>(min_groups, eligible));
   }
-  picks.resize(take);
   std::vector<int64_t> rows;
   rows.reserve(take * group_size_);
   const uint64_t id = next_claim_++;
-  for (size_t q : picks) {
-    const int64_t g = queue_[q];
+  for (size_t k = 0; k < take; ++k) {
+    const int64_t g = queue_[pos(k)];
     for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) {
       consumed_[r] = 1;
       claim_of_[r] = id;
       rows.push_back(r);
     }
   }
-  if (take == picks.size() && !picks.empty() && picks.back() + 1 == take) {
-    queue_.erase(queue_.begin(), queue_.begin() + static_cast<std::ptrdiff_t>(take));  // the head: the common case
+  if (take == 0 || pos(take - 1) + 1 == take) {  // the head: the common case
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<std::ptrdiff_t>(take));
   } else {
     std::deque<int64_t> rest;
     size_t p = 0;
     for (size_t q = 0; q < queue_.size(); ++q) {
-      if (p < picks.size() && picks[p] == q) {
+      if (p < take && picks[p] == q) {
         ++p;
         continue;
       }

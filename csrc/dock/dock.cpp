@@ -135,9 +135,13 @@ void DockCore::new_controllers(Partition& pt) {
 }
 
 DockCore::Partition& DockCore::part(int p) const {
-  MSRL_CHECK(p >= 0 && p < npartitions_.load(std::memory_order_acquire) && partitions_[p] != nullptr, kNotFound,
+  const int s = slot_of(p);
+  MSRL_CHECK(p >= 0 && s < npartitions_.load(std::memory_order_acquire) && partitions_[s] != nullptr, kNotFound,
              "partition id ", p, " out of range");
-  return *partitions_[p];
+  Partition& pt = *partitions_[s];
+  MSRL_CHECK(p == 0 || (pt.live && pt.gen == static_cast<uint32_t>(p / kMaxPartitions)), kNotFound, "partition id ", p,
+             " was dropped (look its name up again)");
+  return pt;
 }
 
 std::vector<std::unique_ptr<Controller>>& DockCore::ctl(int p) const { return part(p).controllers; }
@@ -299,8 +303,9 @@ void DockCore::check_allocated(const int64_t* rows, size_t n, int p) const {
   std::lock_guard<std::mutex> lock(keys_mu_);
   for (size_t i = 0; i < n; ++i) {
     const int16_t rp = row_part_[rows[i]];
-    MSRL_CHECK(rp == p || (p == 0 && rp < 0), kInvalidArgument, "row ", rows[i], " is not in partition '",
-               partitions_[p]->name, "'", rp >= 0 ? " (it is in partition '" + partitions_[rp]->name + "')" : "");
+    MSRL_CHECK(rp == slot_of(p) || (p == 0 && rp < 0), kInvalidArgument, "row ", rows[i], " is not in partition '",
+               partitions_[slot_of(p)]->name, "'",
+               rp >= 0 ? " (it is in partition '" + partitions_[rp]->name + "')" : "");
     MSRL_CHECK(!row_erasing_[rows[i]], kInvalidArgument, "row ", rows[i], " is being erased");
   }
 }
@@ -521,7 +526,7 @@ bool DockCore::abort_put(uint64_t put, bool give_rows_back) noexcept {
     // A keyed put's pending keys are forgotten; their rows go back (or, without give_rows_back, stay
     // allocated to nobody until an erase or reset: the caller erases their bytes first).
     std::lock_guard<std::mutex> lock(keys_mu_);
-    Partition& pt = *partitions_[entry.partition];
+    Partition& pt = *partitions_[slot_of(entry.partition)];
     for (int64_t r : entry.fresh_rows) {
       if (!row_pending_[r]) continue;
       pt.key_row.erase(row_key_[r]);
@@ -923,7 +928,7 @@ int DockCore::partition(const std::string& name, bool create) {
   int free_slot = -1;
   for (int q = 1; q < np; ++q) {
     Partition& pt = *partitions_[q];
-    if (pt.live && pt.name == name) return q;
+    if (pt.live && pt.name == name) return q + kMaxPartitions * static_cast<int>(pt.gen);
     if (!pt.live && free_slot < 0) free_slot = q;
   }
   if (!create) {
@@ -940,8 +945,9 @@ int DockCore::partition(const std::string& name, bool create) {
       while (c->epoch() < pt.epoch.load()) c->reset();
     pt.key_row.clear();
     pt.name = name;
+    pt.gen = (pt.gen + 1) % kMaxGenerations;  // ids of the dropped partition stay refused
     pt.live = true;
-    return free_slot;
+    return free_slot + kMaxPartitions * static_cast<int>(pt.gen);
   }
   MSRL_CHECK(np < kMaxPartitions, kInvalidArgument, "cannot create partition '", name, "': at most ",
              kMaxPartitions - 1, " partitions are alive at once (drop_partition frees one)");
@@ -1016,7 +1022,7 @@ KeyedPut DockCore::begin_put_keys(int p, const std::vector<std::string>& keys, c
       kp.rows[i] = r;
       pt.key_row.emplace(keys[i], r);
       row_key_[r] = keys[i];
-      row_part_[r] = static_cast<int16_t>(p);
+      row_part_[r] = static_cast<int16_t>(slot_of(p));
       row_pending_[r] = 1;
     }
     std::lock_guard<std::mutex> glock(gate_mu_);
@@ -1134,8 +1140,8 @@ std::vector<std::string> DockCore::keys_of(int p, const int64_t* rows, size_t n)
     const int64_t r = rows[i];
     MSRL_CHECK(r >= 0 && r < config_.capacity, kInvalidArgument, "row ", r, " out of range [0, ", config_.capacity,
                ")");
-    MSRL_CHECK(row_part_[r] == p && !row_key_[r].empty() && !row_pending_[r] && !row_erasing_[r], kNotFound, "row ", r,
-               " has no key in partition '", pt.name, "'");
+    MSRL_CHECK(row_part_[r] == slot_of(p) && !row_key_[r].empty() && !row_pending_[r] && !row_erasing_[r], kNotFound,
+               "row ", r, " has no key in partition '", pt.name, "'");
     out.push_back(row_key_[r]);
   }
   return out;
@@ -1181,8 +1187,8 @@ std::vector<int64_t> DockCore::begin_erase_locked(int p, std::vector<int64_t> ro
   for (int64_t r : rows) {
     MSRL_CHECK(r >= 0 && r < config_.capacity, kInvalidArgument, "row ", r, " out of range [0, ", config_.capacity,
                ")");
-    MSRL_CHECK(row_part_[r] == p || (p == 0 && row_part_[r] < 0 && group_allocated_[r / config_.group_size]), kNotFound,
-               "row ", r, " is not in partition '", pt.name, "'; nothing was erased");
+    MSRL_CHECK(row_part_[r] == slot_of(p) || (p == 0 && row_part_[r] < 0 && group_allocated_[r / config_.group_size]),
+               kNotFound, "row ", r, " is not in partition '", pt.name, "'; nothing was erased");
     MSRL_CHECK(!row_pending_[r], kInvalidArgument, "row ", r, " (key ", key_repr(row_key_[r]),
                ") is being created by a put in flight; nothing was erased");
     MSRL_CHECK(!row_erasing_[r], kInvalidArgument, "row ", r, " is being erased already; nothing was erased");

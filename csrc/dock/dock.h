@@ -123,8 +123,10 @@ class DockCore {
   // row-id API (put_new, put with rows, claims without a partition) works in it. Every other partition
   // is a name with its own keys, tags, readiness and claims per stage and epoch (clears); all share the
   // row space and the warehouses. Keys are opaque byte strings, unique within their partition. ----
-  int partition(const std::string& name, bool create);  // NotFound (create=false) naming the known ones
-  std::vector<std::string> partition_names() const;     // live named partitions
+  // The id of a partition (NotFound with create=false, naming the known ones). Ids stay valid until the
+  // partition is dropped (then NotFound), so callers may cache them.
+  int partition(const std::string& name, bool create);
+  std::vector<std::string> partition_names() const;  // live named partitions
   uint64_t partition_epoch(int p) const;
   // Begins a put of `columns` into the rows of `keys` (new keys get rows, as whole groups in key order):
   // validated first (a key twice, an existing key's written cell without overwrite, a key being put or
@@ -299,12 +301,16 @@ class DockCore {
   struct Partition {
     std::string name;
     bool live = false;
+    uint32_t gen = 0;  // bumped when the slot is reused by another name: ids carry it
     std::atomic<uint64_t> epoch{0};
     std::vector<std::unique_ptr<Controller>> controllers;
     std::unordered_map<std::string, int64_t> key_row;  // includes pending keys
   };
   std::vector<std::unique_ptr<Controller>>& ctl(int p) const;
-  Partition& part(int p) const;
+  Partition& part(int p) const;  // NotFound for an id of a dropped partition
+  // Partition ids are slot + kMaxPartitions * generation: an id outlives no drop of its partition.
+  static int slot_of(int p) { return p % kMaxPartitions; }
+  static constexpr int kMaxGenerations = (1 << 22);
   void new_controllers(Partition& pt);
   std::vector<std::unique_ptr<Partition>> partitions_;  // kMaxPartitions slots, filled on creation
   std::atomic<int> npartitions_{1};

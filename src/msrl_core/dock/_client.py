@@ -28,7 +28,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, NotFound, Timeout, Unavailable
 
 try:
     import ray
@@ -137,6 +137,7 @@ class RayBackend:
         self.op_timeout = op_timeout
         self.fast_path = fast_path
         self._cols_by_id: dict[int, Column] = dict(enumerate(columns.values()))
+        self._pids: dict[str, int] = {}  # partition name -> id (see partition())
         self._local = threading.local()
         # Every thread's connections (weakly: a thread that ends closes its own), closed with the client.
         self._threads: weakref.WeakSet[_ThreadConns] = weakref.WeakSet()
@@ -242,10 +243,15 @@ class RayBackend:
         return conn.call(op, args, wait, fds, margin=self.op_timeout)  # op_timeout on every path
 
     def _ctl(self, op: str, *args: Any, wait: float = 0.0) -> Any:
-        conn = self._conn("controller", self.endpoint)
-        if conn is None:
-            return self._get(self.controller.call.remote(op, *args), "controller", wait + self.op_timeout)
-        return self._rpc(conn, op, args, wait)
+        try:
+            conn = self._conn("controller", self.endpoint)
+            if conn is None:
+                return self._get(self.controller.call.remote(op, *args), "controller", wait + self.op_timeout)
+            return self._rpc(conn, op, args, wait)
+        except NotFound as e:
+            if "was dropped" in str(e):  # another process dropped a partition: look names up again
+                self._pids = {}
+            raise
 
     def _wh(self, w: int, op: str, *args: Any) -> Any:
         key = f"warehouse {w}"
@@ -620,7 +626,15 @@ class RayBackend:
     # -- the keyed store: the controller's native DockCore keeps keys, tags, partitions --
 
     def partition(self, name: str, create: bool) -> int:
-        return self._ctl("partition", name, create)
+        """The partition's id, cached: ids stay valid until the partition is dropped (then the native calls
+        refuse them with NotFound, and the next lookup asks the controller again)."""
+        pid = self._pids.get(name)
+        if pid is None:
+            pid = self._pids[name] = int(self._ctl("partition", name, create))
+        return pid
+
+    def _forget_partition(self, p: int) -> None:
+        self._pids = {n: q for n, q in self._pids.items() if q != p}
 
     def partition_names(self) -> list[str]:
         return self._get(self.controller.call.remote("partition_names"), "controller")
@@ -696,6 +710,7 @@ class RayBackend:
         self._ctl_ray("clear", p)
 
     def drop_partition(self, p: int) -> None:
+        self._forget_partition(p)
         self._ctl_ray("drop_partition", p)
 
     def _by_warehouse(self, rows: np.ndarray) -> np.ndarray:
