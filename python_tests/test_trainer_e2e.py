@@ -218,3 +218,27 @@ def test_megatron_ep2_moe_trains_as_ep1(tmp_path):
         assert b["training/rollout_probs_diff_max"] <= 1e-5
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "2" / "checkpoints" / "step_3"))
     assert model.config.num_experts == 4
+
+
+@pytest.mark.slow
+def test_megatron_pp2_trains_as_pp1_and_resumes(tmp_path):
+    """Pipeline parallelism in the trainer's Megatron engine: PP 2 (stages in turn, activations and gradients
+    broadcast in the PP group) gives PP 1's losses and grad norms, the rollout samples the trained weights,
+    and a PP 2 run stopped after 2 steps and resumed continues with the uninterrupted run's step 2."""
+    pytest.importorskip("megatron.core")
+    common = ["demo", *TINY, "actor.engine=megatron", "trainer.val_every=0"]
+    runs = [
+        ("pp1", ["actor.pp=1", "trainer.steps=3"]),
+        ("pp2", ["actor.pp=2", "trainer.steps=2"]),
+        ("pp2", ["actor.pp=2", "trainer.steps=3", "trainer.resume=auto"]),
+    ]
+    for name, args in runs:
+        out = _cli([*common, *args, f"trainer.output_dir={tmp_path / name}"])
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "at step 2" in out.stdout
+    a, b = read_metrics(tmp_path / "pp1"), read_metrics(tmp_path / "pp2")
+    assert [r["step"] for r in b] == [0, 1, 2]
+    for x, y in zip(a, b):
+        for k in ("grpo/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm"):
+            assert math.isfinite(y[k]) and y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-7), k
+        assert y["training/rollout_probs_diff_max"] <= 1e-5

@@ -477,10 +477,10 @@ def _check_parallel(cfg: TrainerConfig, problems: list[str]) -> None:
         problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
     elif a.ep > 1:
         _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
-    if a.pp > 1:
+    if a.pp > 1 and m.tie_word_embeddings:
         problems.append(
-            f"actor.pp={a.pp}: the trainer's Megatron engine runs tensor and expert parallelism, not "
-            "pipeline parallelism, in this build; use actor.pp=1"
+            f"actor.pp={a.pp} with model.tie_word_embeddings=True: the trainer's pipeline runs untied "
+            "embeddings only; use actor.pp=1"
         )
     if m.num_experts > 0 and a.engine != "megatron":
         problems.append(

@@ -14,7 +14,10 @@ the caller: a hook on the logits broadcasts their gradient when autograd reaches
 the same backward with it. A follower that fails exits; rank 0's next collective then fails after the
 process group's timeout instead of hanging.
 
-Pipeline parallelism is not supported by this engine yet (``actor.pp`` must be 1).
+Pipeline parallelism: rank 0 is stage 0; the stages run one after the other, each broadcasting its output
+(hidden states, and the last stage's logits) in its PP group, and the backward carries the gradients back
+the same way (on rank 0 inside the hook on the logits). Expert parallelism: every EP rank runs the same
+tokens, the experts' gradients are divided by ``ep``.
 """
 
 from __future__ import annotations
@@ -136,16 +139,12 @@ class MegatronTrainEngine:
         from msrl_core.trainer.engines import process_group_backend, torch_device
 
         tp, pp, ep = cfg.actor.tp, cfg.actor.pp, cfg.actor.ep
-        if pp != 1:
-            raise NotImplementedError(
-                f"the Megatron engine of this trainer runs tensor and expert parallelism; got actor.pp={pp}"
-            )
         self.cfg, self.model_config, self.rank, self.seed = cfg, mc, rank, seed
-        self.parallel = Parallel(tp=tp, ep=ep)
+        self.parallel = Parallel(tp=tp, pp=pp, ep=ep)
         self.device_name = device
         self.device = torch_device(device, rank)
         self._procs: Any = None
-        world = tp * ep
+        world = tp * pp * ep
         if rank == 0 and world > 1:
             port = _free_port()
             self._procs = _spawn_followers(cfg, seed, world, port, device)
@@ -158,8 +157,12 @@ class MegatronTrainEngine:
         if cfg.model.path:  # the checkpoint's weights, this rank's shard (the reshard plan in reverse)
             load_hf_checkpoint(self.module, cfg.model.path, ShardLayout.from_megatron(), config=mc)
         self.groups: dict[str, Any] = megatron_groups()
-        self.tp_group, self.ep_group = self.groups["tp"], self.groups["ep"]
-        self.rpc_group = None  # rank 0's operations reach every rank (the world: tp x ep)
+        self.tp_group, self.ep_group, self.pp_group = self.groups["tp"], self.groups["ep"], self.groups["pp"]
+        self.rpc_group = None  # rank 0's operations reach every rank (the world: tp x pp x ep)
+        self.pp_rank, self.pp_ranks = 0, [rank]
+        if self.pp_group is not None:
+            self.pp_rank = dist.get_rank(group=self.pp_group)
+            self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         self._dist = dist
         self._swap: Any = None
         self._infer: Any = None
@@ -169,7 +172,7 @@ class MegatronTrainEngine:
 
     @property
     def world(self) -> int:
-        return self.parallel.tp * self.parallel.ep
+        return self.parallel.tp * self.parallel.pp * self.parallel.ep
 
     def _announce(
         self,
@@ -203,11 +206,10 @@ class MegatronTrainEngine:
                     with torch.no_grad():
                         self._forward(m, tokens)
                 else:
-                    m.pending = self._forward(m, tokens)
+                    self._forward(m, tokens)  # keeps what the backward needs (m.pending)
             elif op == _BWD:
                 grad = self._bcast(torch.zeros(shape, dtype=torch.float32, device=self.device))
-                pending, m.pending = m.pending, None
-                pending.backward(grad.to(pending.dtype))
+                self._backward(m, grad)
             elif op == _ZERO:
                 m.optimizer.zero_grad(set_to_none=True)
             elif op == _STEP:
@@ -237,9 +239,77 @@ class MegatronTrainEngine:
     # ---- local work (both sides) --------------------------------------------------------------------
 
     def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens`` on every rank (with autograd when it is on). With PP the
+        stages run in turn, each stage's output broadcast in its PP group; the last stage's logits reach
+        the others the same way (on them a leaf: :meth:`_backward` carries the gradient back)."""
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        out = m.module(tokens, pos, None)
-        return out[..., : self.model_config.vocab_size]
+        V = self.model_config.vocab_size
+        if self.pp_group is None:
+            logits = m.module(tokens, pos, None)[..., :V]
+            m.pending = logits
+            return logits
+        B, T = tokens.shape
+        grad = torch.is_grad_enabled()
+        dtype = getattr(torch, self.model_config.dtype)
+        x: Any = None
+        last = len(self.pp_ranks) - 1
+        for s in range(last + 1):
+            if s == self.pp_rank:
+                if s > 0:
+                    m.module.set_input_tensor(x)
+                out = m.module(tokens, pos, None)
+                m.pending = (out, x)
+            if s < last:  # stage s's hidden states [T, B, H] to stage s + 1
+                buf = (
+                    out.detach().contiguous()
+                    if s == self.pp_rank
+                    else torch.empty((T, B, self.model_config.hidden_size), dtype=dtype, device=self.device)
+                )
+                self._dist.broadcast(buf, src=self.pp_ranks[s], group=self.pp_group)
+                if s + 1 == self.pp_rank:
+                    x = buf.requires_grad_(grad)
+        if self.pp_rank == last:
+            logits = out
+            buf = out.detach().contiguous()
+        else:
+            buf = torch.empty((B, T, self._padded_vocab()), dtype=dtype, device=self.device)
+        self._dist.broadcast(buf, src=self.pp_ranks[last], group=self.pp_group)
+        if self.pp_rank != last:
+            logits = buf.requires_grad_(grad)
+        return logits[..., :V]
+
+    def _padded_vocab(self) -> int:
+        from msrl_core.reshard.layout import megatron_padded_vocab
+
+        mc = self.model_config
+        return megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, self.parallel.tp)
+
+    def _backward(self, m: _Model, grad: torch.Tensor) -> None:
+        """The backward of the last :meth:`_forward` with ``grad`` of its logits (rank 0's loss gradient);
+        with PP stage by stage, each input gradient broadcast in the PP group to the stage before."""
+        pending, m.pending = m.pending, None
+        if self.pp_group is None:
+            pending.backward(grad.to(pending.dtype))
+            return
+        out, x = pending
+        last = len(self.pp_ranks) - 1
+        B, T, _ = grad.shape
+        g: Any = None
+        for s in range(last, -1, -1):
+            if s == self.pp_rank:
+                if s == last:
+                    g = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
+                    g[..., : grad.shape[-1]] = grad
+                out.backward(g)
+            if s > 0:  # stage s's input gradient to stage s - 1
+                if s == self.pp_rank:
+                    buf = x.grad.contiguous()
+                else:
+                    dtype = getattr(torch, self.model_config.dtype)
+                    buf = torch.empty((T, B, self.model_config.hidden_size), dtype=dtype, device=self.device)
+                self._dist.broadcast(buf, src=self.pp_ranks[s], group=self.pp_group)
+                if s - 1 == self.pp_rank:
+                    g = buf
 
     def _make_optimizer(self, m: _Model, lr: float, wd: float) -> None:
         m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
@@ -264,7 +334,10 @@ class MegatronTrainEngine:
             self._dist.all_reduce(sharded, group=self.tp_group)
         if self.ep_group is not None:
             self._dist.all_reduce(experts, group=self.ep_group)
-        return float((sharded + experts + replicated).sqrt())
+        total = sharded + experts + replicated
+        if self.pp_group is not None:  # every stage holds other layers
+            self._dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
 
     def _clip_and_step(self, m: _Model, max_norm: float) -> float:
         if self.parallel.ep > 1:
@@ -357,6 +430,8 @@ class MegatronTrainEngine:
             with self._lock:
                 self._announce(_BWD, model, tuple(g.shape))
                 self._bcast(g.detach().float().contiguous())
+                if self.pp_group is not None:  # rank 0's stage runs its part of the backward now
+                    self._backward(self._models[model], g.detach().float())
 
         return hook
 
