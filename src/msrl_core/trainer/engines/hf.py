@@ -248,21 +248,10 @@ class HFSampler:
 
     @torch.no_grad()
     def generate(
-        self,
-        prompts: list[torch.Tensor],
-        max_new: int,
-        eos_id: int | Sequence[int],
-        pad_id: int,
-        temperature: float,
-        top_p: float,
-        generator: torch.Generator | None,
-        greedy: bool = False,
+        self, prompts: list[torch.Tensor], *args: Any, **kw: Any
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
-        several). Returns per row the response tokens and their log-probs."""
-        toks, lps, lengths = self.generate_padded(
-            prompts, max_new, eos_id, pad_id, temperature, top_p, generator, greedy
-        )
+        """:meth:`generate_padded` per row: the response tokens and their log-probs."""
+        toks, lps, lengths = self.generate_padded(prompts, *args, **kw)
         n = lengths.tolist()
         return [toks[i, : n[i]].clone() for i in range(len(n))], [
             lps[i, : n[i]].clone() for i in range(len(n))
@@ -280,7 +269,9 @@ class HFSampler:
         generator: torch.Generator | None,
         greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`generate` as right-padded ``[B, T]`` tokens and log-probs and the ``[B]`` lengths."""
+        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
+        several; ``greedy``: argmax). Returns right-padded ``[B, T]`` tokens and their log-probs under the
+        temperature-scaled distribution, and the ``[B]`` lengths."""
         B = len(prompts)
         dev = self.device
         tokens = torch.nn.utils.rnn.pad_sequence(
