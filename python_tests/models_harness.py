@@ -105,6 +105,9 @@ def _run_case(case: dict, rank: int, world: int) -> dict:
         res["saved_max_abs_diff"] = max(float((want[n] - have[n]).abs().max()) for n in want if n in have)
         res["saved_logits_equal"] = bool(torch.equal(_hf_logits(dst, tokens), _hf_logits(src, tokens)))
         res["saved_config_same_model"] = ModelConfig.from_pretrained(dst) == mc
+    if case.get("grad"):
+        res["grad"] = _grads_vs_transformers(model, mc, train, src, tokens, rank)
+        res["train"] = _train_steps(model, mc, src, tokens, rank)
     if case.get("errors"):
         res["errors"] = _one_rank_bad(model, src, os.path.join(case["dir"], "broken"), rank)
     return res
@@ -145,3 +148,104 @@ def _tensors(path: str, safe_open) -> dict:
             with safe_open(os.path.join(path, f), framework="pt") as h:
                 out.update({k: h.get_tensor(k) for k in h.keys()})  # noqa: SIM118 (a safe_open handle)
     return out
+
+
+def _grads_vs_transformers(model, mc, train, src: str, tokens, rank: int) -> dict:
+    """One backward of ``sum(logits * W)`` through :func:`pipeline_forward` on every rank, completed by
+    :func:`finish_grads`, the gradients brought to HF names by the forward plan (``stream_buckets`` over the
+    gradients), compared on rank 0 with transformers' gradients of the same loss."""
+    import re
+
+    import torch
+    import transformers as tf
+
+    from msrl_core.models import finish_grads, grad_norm, megatron_groups, pipeline_forward
+    from msrl_core.reshard import stream_buckets, to_hf
+
+    V = mc.vocab_size
+    W = torch.randn(*tokens.shape, V, generator=torch.Generator().manual_seed(11))
+    model.zero_grad(set_to_none=True)
+    out = pipeline_forward(model, tokens)
+    if out.dim() == 3:  # this rank holds the logits (dst stage)
+        (out[..., :V] * W).sum().backward()
+    else:
+        out.backward()
+    finish_grads(model)
+    norm = grad_norm(model)
+    grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    got: dict = {}
+    for bucket in stream_buckets(
+        grads, to_hf(mc, train), megatron_groups(), names="hf", bucket_bytes=1 << 16
+    ):
+        got.update((n, t.clone()) for n, t in bucket)
+    if rank != 0:
+        return {}
+    hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
+    (hf(tokens).logits * W).sum().backward()
+    want: dict = {}
+    for n, p in hf.named_parameters():
+        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up|down)_proj", n)
+        if m is None:
+            want[n] = p.grad
+            continue
+        for e in range(p.shape[0]):
+            x = f"{m.group(1)}{e}."
+            if m.group(2) == "down":
+                want[x + "down_proj.weight"] = p.grad[e]
+            else:
+                f = p.shape[1] // 2
+                want[x + "gate_proj.weight"], want[x + "up_proj.weight"] = p.grad[e, :f], p.grad[e, f:]
+    scale = max(float(g.abs().max()) for g in want.values())
+    diff = {n: float((got[n].reshape(g.shape) - g).abs().max()) for n, g in want.items() if n in got}
+    worst = max(diff, key=diff.__getitem__)
+    hf_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in want.values())))
+    return {
+        "names_equal": sorted(want) == sorted(got),
+        "max_abs_diff": diff[worst],
+        "worst": worst,
+        "scale": scale,
+        "grad_norm": norm,
+        "hf_grad_norm": hf_norm,
+    }
+
+
+def _train_steps(model, mc, src: str, tokens, rank: int, steps: int = 3, lr: float = 0.05) -> dict:
+    """``steps`` SGD steps of next-token cross-entropy on every rank (pipeline_forward, finish_grads, the
+    same update of every shard); the losses on the logits' rank, and transformers' losses of the same steps
+    on rank 0."""
+    import torch
+    import torch.nn.functional as F
+    import transformers as tf
+
+    from msrl_core.models import finish_grads, pipeline_forward
+
+    V = mc.vocab_size
+    targets = torch.randint(0, V, tokens.shape, generator=torch.Generator().manual_seed(5))
+    losses = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        out = pipeline_forward(model, tokens)
+        if out.dim() == 3:
+            loss = F.cross_entropy(out[..., :V].reshape(-1, V), targets.reshape(-1))
+            loss.backward()
+            losses.append(float(loss))
+        else:
+            out.backward()
+        finish_grads(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.sub_(lr * p.grad)
+    res: dict = {"losses": losses}
+    if rank == 0:
+        hf = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+        opt = torch.optim.SGD(hf.parameters(), lr=lr)
+        hf_losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = F.cross_entropy(hf(tokens).logits.reshape(-1, V), targets.reshape(-1))
+            loss.backward()
+            opt.step()
+            hf_losses.append(float(loss))
+        res["hf_losses"] = hf_losses
+    return res

@@ -43,11 +43,18 @@ def snapshot(dock: Dock) -> tuple:
         data["prompts"].values.tolist(),
         data["responses"].values.tolist(),
         [dock._backend.consumed(i, 0) for i in range(3)],
+        tuple(dock.columns),
+        dock._backend._core.num_columns,
     )
 
 
 BAD_CALLS = {
-    "unknown column in put": (lambda d: d.put({"nope": [np.arange(1)] * 2}), NotFound),
+    # A put naming a new column declares it from its values (docs/dock.md): one it cannot type is refused.
+    "new column of an untyped value": (lambda d: d.put({"nope": object()}), InvalidArgument),
+    "new column refused with a bad sibling": (
+        lambda d: d.put({"nope": [np.arange(1)] * 2, "prompts": [np.ones(1, np.float32)] * 2}),
+        InvalidArgument,
+    ),
     "unknown stage in claim": (lambda d: d.claim("nope", 2), NotFound),
     "unknown column in fetch": (lambda d: d.fetch(np.arange(2), ["nope"]), NotFound),
     "wrong dtype": (lambda d: d.put({"prompts": [np.arange(2, dtype=np.int32)] * 2}), InvalidArgument),
@@ -118,7 +125,7 @@ def test_error_messages_name_the_offending_value():
     with pytest.raises(OutOfMemory, match=r"prompts.*640 bytes"):
         dock.put({"prompts": [np.arange(40)] * 2})
     with pytest.raises(NotFound, match="nope.*prompts"):
-        dock.put({"nope": [1]})
+        dock.fetch(np.arange(2), ["nope"])
     with pytest.raises(InvalidArgument, match="expected dtype int64, got numpy int32"):
         dock.put({"prompts": [np.arange(2, dtype=np.int32)] * 2})
     with pytest.raises(InvalidArgument, match="row 4 was never allocated"):
@@ -179,8 +186,8 @@ def test_a_claim_blocked_across_reset_gets_the_next_iteration():
 def test_bad_constructor_arguments():
     with pytest.raises(InvalidArgument):
         Dock({"a": Column("int64")}, {"s": ["a"]}, capacity=5, group_size=2)
-    with pytest.raises(NotFound):
-        Dock({"a": Column("int64")}, {"s": ["b"]}, capacity=4)
+    with pytest.raises(InvalidArgument):  # a stage may read a column declared later, not a non-list
+        Dock({"a": Column("int64")}, {"s": "b"}, capacity=4)
     with pytest.raises(InvalidArgument):
         Dock({"a": Column("complex64")}, {"s": ["a"]}, capacity=4)
     with pytest.raises(InvalidArgument):

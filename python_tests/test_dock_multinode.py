@@ -57,7 +57,7 @@ def bad_inputs(dock: Dock) -> list[str]:
     before = state()
     out = []
     for fn, exc in [
-        (lambda: dock.put({"nope": [1]}), NotFound),
+        (lambda: dock.fetch(np.arange(2), ["nope"]), NotFound),
         (lambda: dock.claim("nope", 4), NotFound),
         (lambda: dock.put({"prompts": [np.arange(2, dtype=np.int32)] * 2}), InvalidArgument),
         (lambda: dock.put({"prompts": [np.arange(2)] * 2}, rows=[30, 31]), InvalidArgument),

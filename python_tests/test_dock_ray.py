@@ -93,7 +93,7 @@ def test_bad_input_raises_and_leaves_the_dock_unchanged():
 
     before = state()
     bad = [
-        (lambda: dock.put({"nope": [1]}), NotFound),
+        (lambda: dock.fetch(np.arange(4), ["nope"]), NotFound),
         (lambda: dock.claim("nope", 4), NotFound),
         (lambda: dock.put({"prompts": [np.arange(2, dtype=np.int32)] * 4}), InvalidArgument),
         (lambda: dock.put({"rewards": np.ones(4, np.float32)}, rows=[4, 5, 6, 7]), InvalidArgument),

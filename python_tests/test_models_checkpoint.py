@@ -11,11 +11,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from msrl_core.models import CheckpointError, ShardLayout, load_hf_checkpoint
+from msrl_core.models import CheckpointError, ModelConfig, ShardLayout, load_hf_checkpoint
 from msrl_core.reshard import Parallel, reference, to_hf
-from reshard_util import CONFIGS
+from reshard_util import CONFIGS, random_shards
 
 LAYOUTS = [Parallel(tp=1), Parallel(tp=2), Parallel(pp=2), Parallel(tp=2, pp=2)]
 MOE_LAYOUTS = [Parallel(ep=2), Parallel(tp=2, ep=2), Parallel(ep=4)]
@@ -93,12 +95,12 @@ def _rewrite(path, fn):
     save_file(t, f)
 
 
-def _attempt(path, cfg, train=TP2, rank=1, shards=None):
+def _attempt(path, cfg, train=TP2, rank=1, shards=None, ep_rank=0):
     plan = to_hf(cfg, train)
     sh = shards if shards is not None else {n: torch.full(s, 7.0) for n, s in plan.train_shapes(0).items()}
     before = {n: t.clone() for n, t in sh.items()}
     with pytest.raises(CheckpointError) as ei:
-        load_hf_checkpoint(sh, str(path), ShardLayout(train, 0, rank, 0), config=cfg)
+        load_hf_checkpoint(sh, str(path), ShardLayout(train, 0, rank, ep_rank), config=cfg)
     assert all(torch.equal(before[n], sh[n]) for n in sh)  # nothing written
     return str(ei.value)
 
@@ -110,7 +112,7 @@ def test_bad_checkpoints_name_the_file_and_the_tensor(tmp_path):
 
     _rewrite(tmp_path, lambda t: t.pop("model.layers.1.self_attn.v_proj.bias"))
     msg = _attempt(tmp_path, cfg)
-    assert "'model.layers.1.self_attn.v_proj.bias'" in msg and str(tmp_path) in msg
+    assert "'model.layers.1.self_attn.v_proj.bias'" in msg and f"(not in {f})" in msg
 
     _checkpoint(cfg, str(tmp_path))
     _rewrite(tmp_path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(95, 64)}))
@@ -128,6 +130,17 @@ def test_bad_checkpoints_name_the_file_and_the_tensor(tmp_path):
 def test_a_partial_sharded_checkpoint_names_the_missing_file(tmp_path):
     cfg = CONFIGS["qwen3_moe"]
     _checkpoint(cfg, str(tmp_path), shards=3)
+    index = os.path.join(str(tmp_path), "model.safetensors.index.json")
+    with open(index) as fh:
+        full = json.load(fh)
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    with open(index, "w") as fh:
+        json.dump({"weight_map": {k: v for k, v in full["weight_map"].items() if k != gone}}, fh)
+    for ep_rank in (0, 1):  # EP rank 1 holds expert 3; EP rank 0 refuses the partial checkpoint too
+        msg = _attempt(tmp_path, cfg, Parallel(ep=2), rank=0, ep_rank=ep_rank)
+        assert f"'{gone}'" in msg and f"(not in {index})" in msg
+    with open(index, "w") as fh:
+        json.dump(full, fh)
     os.remove(os.path.join(str(tmp_path), "model-00002-of-00003.safetensors"))
     msg = _attempt(tmp_path, cfg, Parallel(ep=2), rank=0)
     assert "model-00002-of-00003.safetensors" in msg and "does not exist" in msg
@@ -150,3 +163,66 @@ def test_shards_that_do_not_fit_the_layout_are_refused(tmp_path):
     sh = {n: torch.zeros(s) for n, s in plan.train_shapes(0).items()}
     sh["decoder.layers.9.mlp.linear_fc2.weight"] = torch.zeros(1)
     assert "'decoder.layers.9.mlp.linear_fc2.weight'" in _attempt(tmp_path, cfg, shards=sh)
+
+
+@st.composite
+def _layout_case(draw):
+    hd = draw(st.sampled_from([2, 4]))
+    ng = draw(st.sampled_from([1, 2, 4]))
+    nh = ng * draw(st.sampled_from([1, 2, 3]))
+    moe = draw(st.booleans())
+    arch = "qwen3_moe" if moe else draw(st.sampled_from(["llama", "qwen2", "qwen3"]))
+    tp = draw(st.sampled_from([t for t in (1, 2, 4) if nh % t == 0 and (ng % t == 0 or t % ng == 0)]))
+    cfg = ModelConfig(
+        arch,
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=nh,
+        num_key_value_heads=ng,
+        head_dim=hd,
+        intermediate_size=16,
+        vocab_size=draw(st.integers(20, 90)),
+        qkv_bias=arch == "qwen2",
+        tie_word_embeddings=draw(st.booleans()),
+        qk_norm=arch.startswith("qwen3"),
+        num_experts=4 if moe else 0,
+        moe_intermediate_size=8 if moe else 0,
+        make_vocab_size_divisible_by=draw(st.sampled_from([1, 8, 32])),
+    )
+    ep = draw(st.sampled_from([1, 2, 4])) if moe else 1
+    return cfg, Parallel(tp=tp, pp=draw(st.sampled_from([1, 2])), ep=ep)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_layout_case(), st.integers(0, 3))
+def test_the_reverse_plan_is_the_inverse_of_the_forward_plan(case, seed):
+    """Property: for random heads / KV heads / TP / PP / EP / vocab padding / tying, every element of every
+    rank's parameters is written by at most one piece; those written equal Megatron's shards that the
+    forward rules (reshard.reference) turned into the HF tensors, and those not written are vocab padding."""
+    cfg, train = case
+    plan = to_hf(cfg, train)
+    shards = random_shards(plan, seed)
+    hf = {
+        n: t.reshape(plan.hf[n].rows, plan.hf[n].cols)
+        for n, t in reference.megatron_to_hf(cfg, train, shards).items()
+    }
+    for (s, r, e), orig in shards.items():
+        for t in plan.megatron_targets(s, r, e):
+            got = torch.zeros(t.rows, t.cols)
+            count = torch.zeros(t.rows, t.cols, dtype=torch.int64)
+            for pc in t.pieces:
+                dst = (slice(pc.dst_row, pc.dst_row + pc.nrows), slice(pc.dst_col, pc.dst_col + pc.ncols))
+                got[dst] = hf[pc.hf][pc.row0 : pc.row0 + pc.nrows, pc.col0 : pc.col0 + pc.ncols]
+                count[dst] += 1
+            assert int(count.max()) <= 1, t.name
+            want = orig[t.name].reshape(t.rows, t.cols)
+            if (
+                t.name == "output_layer.weight" and cfg.tie_word_embeddings
+            ):  # Megatron's copy of the embedding
+                want = shards[(0, r, e)]["embedding.word_embeddings.weight"]
+            assert torch.equal(got[count == 1], want[count == 1]), (t.name, s, r, e)
+            unwritten = (count == 0).all(dim=1).nonzero().flatten()
+            if len(unwritten):
+                assert t.name in ("embedding.word_embeddings.weight", "output_layer.weight"), t.name
+                assert int(unwritten.min()) + r * t.rows >= cfg.vocab_size  # global rows past the vocab
+            assert int(count.sum()) + len(unwritten) * t.cols == t.rows * t.cols  # no partial rows

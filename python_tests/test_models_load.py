@@ -45,6 +45,7 @@ CASES = [
     # Llama MQA (1 KV head < TP 2: a query group split across ranks), tied embeddings, vocab 997
     dict(
         name="llama_tp2_tied",
+        grad=True,
         arch="llama",
         tp=2,
         hf=dict(
@@ -54,6 +55,7 @@ CASES = [
     # Qwen3: QK norm, head_dim 32 != hidden/heads, PP 2 (stage-local layers), tied (output layer copy)
     dict(
         name="qwen3_pp2_tied",
+        grad=True,
         arch="qwen3",
         pp=2,
         hf=dict(
@@ -68,6 +70,7 @@ CASES = [
     # Qwen3-MoE: 4 experts over EP 2 (2 per rank), top-2, renormalised top-k (hub Qwen3-MoE setting)
     dict(
         name="qwen3_moe_ep2",
+        grad=True,
         arch="qwen3_moe",
         ep=2,
         hf=dict(
@@ -79,6 +82,25 @@ CASES = [
             moe_intermediate_size=32,
             num_experts_per_tok=2,
             norm_topk_prob=True,
+            **ATTN,
+        ),
+    ),
+    # Qwen3-MoE with its experts TP-sharded (TP 2, EP 1), the top-k of the full softmax (norm_topk_prob False:
+    # Megatron's pre-softmax router)
+    dict(
+        name="qwen3_moe_tp2_presoftmax",
+        grad=True,
+        arch="qwen3_moe",
+        tp=2,
+        hf=dict(
+            vocab_size=1000,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
             **ATTN,
         ),
     ),
@@ -154,3 +176,32 @@ def test_a_bad_checkpoint_on_one_rank_raises_on_every_rank(results):
     assert "'model.layers.1.mlp.down_proj.weight'" in r1["msg"] and "broken" in r1["msg"]
     assert "another rank" in r0["msg"]
     assert r0["intact"] and r1["intact"]  # nothing written on either rank
+
+
+GRAD_TOL = 1e-5  # relative to the largest gradient
+GRAD_CASES = [c["name"] for c in CASES if c.get("grad")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRAD_CASES)
+def test_gradients_through_pipeline_forward_equal_transformers(results, name):
+    # pipeline_forward + finish_grads (tied embedding over PP stages, experts seen EP times): the gradient of
+    # one loss, in HF layout by the forward plan, equals transformers' gradient of it
+    g = _case(results, name)[0]["grad"]
+    assert g["names_equal"]
+    assert g["max_abs_diff"] <= GRAD_TOL * g["scale"], g
+    assert abs(g["grad_norm"] - g["hf_grad_norm"]) <= GRAD_TOL * g["hf_grad_norm"], (
+        g
+    )  # grad_norm over the grid
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRAD_CASES)
+def test_a_few_sgd_steps_follow_transformers(results, name):
+    per_rank = _case(results, name)
+    hf_losses = per_rank[0]["train"]["hf_losses"]
+    losses = [r["train"]["losses"] for r in per_rank if r["train"]["losses"]]
+    assert losses and all(len(x) == 3 for x in losses)
+    assert hf_losses[-1] < hf_losses[0]  # the steps do something
+    for x in losses:
+        assert max(abs(a - b) for a, b in zip(x, hf_losses)) <= 1e-5, (x, hf_losses)

@@ -24,15 +24,109 @@ using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>
 
 using dock::parse_dtype;
 
-// (name, dtype, ragged, inner_shape, arena_bytes)
-using ColumnTuple = std::tuple<std::string, std::string, bool, std::vector<int64_t>, int64_t>;
+// (name, dtype, ragged, inner_shape, arena_bytes, growable, label)
+using ColumnTuple = std::tuple<std::string, std::string, bool, std::vector<int64_t>, int64_t, bool, std::string>;
+
+ColumnSpec parse_column(const ColumnTuple& col) {
+  const auto& [name, dtype, ragged, shape, arena, growable, label] = col;
+  ColumnSpec spec;
+  spec.name = name;
+  spec.dtype = parse_dtype(dtype);
+  spec.ragged = ragged;
+  spec.inner_shape = shape;
+  spec.arena_bytes = arena;
+  spec.growable = growable;
+  spec.label = label == dtype ? std::string() : label;
+  return spec;
+}
+
+ColumnTuple column_tuple(const ColumnSpec& c) {
+  return {c.name,
+          dock::dtype_name(c.dtype),
+          c.ragged,
+          c.inner_shape,
+          c.arena_bytes,
+          c.growable,
+          c.label.empty() ? std::string(dock::dtype_name(c.dtype)) : c.label};
+}
 
 std::vector<ColumnSpec> parse_columns(const std::vector<ColumnTuple>& cols) {
   std::vector<ColumnSpec> out;
-  for (const auto& [name, dtype, ragged, shape, arena] : cols) {
-    out.push_back(ColumnSpec{name, parse_dtype(dtype), ragged, shape, arena});
+  for (const auto& c : cols) out.push_back(parse_column(c));
+  return out;
+}
+
+// Keys: a str or an int (numpy integers too; bool is refused), encoded 'i' + decimal or 's' + UTF-8 so
+// that 1 and "1" are distinct keys natively.
+std::vector<std::string> encode_keys(const py::sequence& keys) {
+  std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(keys.size()));
+  for (const py::handle& k : keys) {
+    if (py::isinstance<py::str>(k)) {
+      out.push_back("s" + k.cast<std::string>());
+    } else if (!py::isinstance<py::bool_>(k) && (py::isinstance<py::int_>(k) || py::hasattr(k, "__index__"))) {
+      out.push_back("i" + py::str(py::int_(py::reinterpret_borrow<py::object>(k))).cast<std::string>());
+    } else {
+      MSRL_THROW(kInvalidArgument, "keys must be str or int, got ", py::str(py::type::of(k)).cast<std::string>(), " (",
+                 py::repr(k).cast<std::string>(), ")");
+    }
   }
   return out;
+}
+
+py::object decode_key(const std::string& k) {
+  if (!k.empty() && k[0] == 'i') return py::int_(py::str(k.substr(1)));
+  return py::str(k.substr(1));
+}
+
+py::list decode_keys(const std::vector<std::string>& keys) {
+  py::list out;
+  for (const std::string& k : keys) out.append(decode_key(k));
+  return out;
+}
+
+// Tags: one list of (name, JSON text) pairs per key.
+std::vector<dock::Tags> parse_tags(const py::object& tags) {
+  std::vector<dock::Tags> out;
+  if (tags.is_none()) return out;
+  for (const py::handle& per_key : tags.cast<py::sequence>()) {
+    dock::Tags t;
+    for (const py::handle& item : per_key.cast<py::sequence>()) {
+      py::sequence pair = item.cast<py::sequence>();
+      MSRL_CHECK(pair.size() == 2, kInvalidArgument, "a tag is a (name, JSON text) pair");
+      t.emplace_back(pair[0].cast<std::string>(), pair[1].cast<std::string>());
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+py::list tags_list(const std::vector<dock::Tags>& tags) {
+  py::list out;
+  for (const dock::Tags& t : tags) {
+    py::list items;
+    for (const auto& [name, value] : t) items.append(py::make_tuple(name, value));
+    out.append(items);
+  }
+  return out;
+}
+
+std::vector<dock::ColumnMark> parse_marks(const py::sequence& cols, size_t n, std::vector<I64Array>& keep) {
+  std::vector<dock::ColumnMark> marks;
+  keep.reserve(static_cast<size_t>(cols.size()));
+  for (const py::handle& h : cols) {
+    py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
+    MSRL_CHECK(t.size() == 2, kInvalidArgument, "publish expects (column_id, lengths or None) pairs");
+    dock::ColumnMark m{t[0].cast<int>(), nullptr};
+    if (!t[1].is_none()) {
+      keep.push_back(t[1].cast<I64Array>());
+      MSRL_CHECK(static_cast<size_t>(keep.back().size()) == n, kInvalidArgument, "publish: ", keep.back().size(),
+                 " lengths for ", n, " rows");
+      m.lengths = keep.back().data();
+    }
+    marks.push_back(m);
+  }
+  return marks;
 }
 
 // A read-only C-contiguous buffer: pointer and size, with the GIL held.
@@ -140,6 +234,234 @@ class DockView {
 
 }  // namespace
 
+// The keyed store: partitions, keys, field updates, erase, tags, run-time columns, DP claims.
+void bind_dock_keys(py::class_<dock::DockCore>& core) {
+  using dock::DockCore;
+  core.def(
+          "partition", [](DockCore& d, const std::string& name, bool create) { return d.partition(name, create); },
+          py::arg("name"), py::arg("create") = true, "The id of a partition ('' = the default one).")
+      .def("partition_names", &DockCore::partition_names)
+      .def("partition_epoch", &DockCore::partition_epoch)
+      .def_property_readonly("num_columns", &DockCore::num_columns)
+      .def(
+          "declare_column", [](DockCore& d, const ColumnTuple& col) { return d.declare_column(parse_column(col)); },
+          py::arg("column"), "Declares a run-time column (or checks an existing one): its id.")
+      .def(
+          "column_declared", [](const DockCore& d, int c) { return d.column(c).declared; }, py::arg("column"))
+      .def(
+          "column_info",
+          [](const DockCore& d, const std::string& name) -> py::object {
+            const int n = d.num_columns();
+            for (int c = 0; c < n; ++c) {
+              const ColumnSpec& spec = d.column(c);
+              if (spec.name == name) return py::make_tuple(c, column_tuple(spec), spec.declared);
+            }
+            return py::none();
+          },
+          py::arg("name"), "(id, column tuple, declared) of a column, or None when there is none of that name.")
+      .def(
+          "put_keys",
+          [](DockCore& d, int p, const py::sequence& keys, const py::sequence& cols, bool overwrite,
+             const py::object& tags, const std::vector<int64_t>& versions) {
+            std::vector<std::string> ks = encode_keys(keys);
+            std::vector<py::object> keep;
+            std::vector<ColumnInput> inputs = parse_inputs(cols, ks.size(), keep);
+            std::vector<dock::Tags> tg = parse_tags(tags);
+            std::vector<int64_t> rows;
+            {
+              py::gil_scoped_release release;
+              rows = d.put_keys(p, ks, inputs, overwrite, tg, versions);
+            }
+            return to_array(std::move(rows));
+          },
+          py::arg("partition"), py::arg("keys"), py::arg("columns"), py::arg("overwrite") = false,
+          py::arg("tags") = py::none(), py::arg("versions") = std::vector<int64_t>{})
+      .def(
+          "begin_put_keys",
+          [](DockCore& d, int p, const py::sequence& keys, const std::vector<int>& columns, bool overwrite) {
+            std::vector<std::string> ks = encode_keys(keys);
+            dock::KeyedPut kp;
+            {
+              py::gil_scoped_release release;
+              kp = d.begin_put_keys(p, ks, columns, overwrite);
+            }
+            return py::make_tuple(kp.put, to_array(std::move(kp.rows)),
+                                  py::array_t<bool>(static_cast<ssize_t>(kp.fresh.size()),
+                                                    reinterpret_cast<const bool*>(kp.fresh.data())),
+                                  kp.put_epoch, kp.rewrites);
+          },
+          py::arg("partition"), py::arg("keys"), py::arg("columns"), py::arg("overwrite") = false,
+          "(put id, rows, fresh, iteration, rewrites): a keyed put begun (new keys pending).")
+      .def(
+          "publish_keys",
+          [](DockCore& d, uint64_t put, const I64Array& rows, int p, const py::sequence& cols, const py::object& tags,
+             const std::vector<int64_t>& versions) {
+            dock::KeyedPut kp;
+            kp.put = put;
+            kp.rows.assign(rows.data(), rows.data() + rows.size());
+            std::vector<I64Array> keep;
+            std::vector<dock::ColumnMark> marks = parse_marks(cols, kp.rows.size(), keep);
+            std::vector<dock::Tags> tg = parse_tags(tags);
+            py::gil_scoped_release release;
+            d.publish_keys(kp, p, marks, tg, versions);
+          },
+          py::arg("put"), py::arg("rows"), py::arg("partition"), py::arg("columns"), py::arg("tags") = py::none(),
+          py::arg("versions") = std::vector<int64_t>{})
+      .def(
+          "rows_of",
+          [](const DockCore& d, int p, const py::sequence& keys) { return to_array(d.rows_of(p, encode_keys(keys))); },
+          py::arg("partition"), py::arg("keys"))
+      .def(
+          "keys_of",
+          [](const DockCore& d, int p, const I64Array& rows) {
+            return decode_keys(d.keys_of(p, rows.data(), static_cast<size_t>(rows.size())));
+          },
+          py::arg("partition"), py::arg("rows"))
+      .def(
+          "list_keys",
+          [](const DockCore& d, int p) {
+            dock::KeyListing l = d.list_keys(p);
+            return py::make_tuple(decode_keys(l.keys), to_array(std::move(l.rows)), tags_list(l.tags));
+          },
+          py::arg("partition"), "(keys, rows, tags as (name, JSON) pairs) in row order.")
+      .def(
+          "written",
+          [](const DockCore& d, int p, const py::sequence& keys, const std::vector<int>& columns) {
+            std::vector<uint8_t> w = d.written(p, encode_keys(keys), columns);
+            py::array_t<bool> out({static_cast<ssize_t>(keys.size()), static_cast<ssize_t>(columns.size())});
+            if (!w.empty()) std::memcpy(out.mutable_data(), w.data(), w.size());
+            return out;
+          },
+          py::arg("partition"), py::arg("keys"), py::arg("columns"))
+      .def("cell_written", &DockCore::cell_written, py::arg("column"), py::arg("row"))
+      .def(
+          "tag",
+          [](DockCore& d, int p, const py::sequence& keys, const py::object& tags) {
+            std::vector<std::string> ks = encode_keys(keys);
+            std::vector<dock::Tags> tg = parse_tags(tags);
+            py::gil_scoped_release release;
+            d.tag(p, ks, tg);
+          },
+          py::arg("partition"), py::arg("keys"), py::arg("tags"))
+      .def(
+          "begin_erase_keys",
+          [](DockCore& d, int p, const py::sequence& keys) {
+            std::vector<std::string> ks = encode_keys(keys);
+            std::vector<int64_t> rows;
+            {
+              py::gil_scoped_release release;
+              rows = d.begin_erase_keys(p, ks);
+            }
+            return to_array(std::move(rows));
+          },
+          py::arg("partition"), py::arg("keys"))
+      .def(
+          "begin_erase_rows",
+          [](DockCore& d, int p, const I64Array& rows) {
+            std::vector<int64_t> out;
+            {
+              py::gil_scoped_release release;
+              out = d.begin_erase_rows(p, rows.data(), static_cast<size_t>(rows.size()));
+            }
+            return to_array(std::move(out));
+          },
+          py::arg("partition"), py::arg("rows"))
+      .def(
+          "begin_clear",
+          [](DockCore& d, int p) {
+            std::vector<int64_t> out;
+            {
+              py::gil_scoped_release release;
+              out = d.begin_clear(p);
+            }
+            return to_array(std::move(out));
+          },
+          py::arg("partition"))
+      .def(
+          "end_erase", [](DockCore& d, const std::vector<int64_t>& rows) { d.end_erase(rows); }, py::arg("rows"))
+      .def(
+          "erase_keys",
+          [](DockCore& d, int p, const py::sequence& keys) {
+            std::vector<std::string> ks = encode_keys(keys);
+            py::gil_scoped_release release;
+            d.erase_keys(p, ks);
+          },
+          py::arg("partition"), py::arg("keys"))
+      .def(
+          "erase_rows",
+          [](DockCore& d, int p, const I64Array& rows) {
+            py::gil_scoped_release release;
+            d.erase_rows(p, rows.data(), static_cast<size_t>(rows.size()));
+          },
+          py::arg("partition"), py::arg("rows"))
+      .def("clear", &DockCore::clear, py::arg("partition"), py::call_guard<py::gil_scoped_release>())
+      .def("drop_partition", &DockCore::drop_partition, py::arg("partition"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "claim_in",
+          [](DockCore& d, int p, int stage, int64_t max_rows, int64_t min_rows, double timeout, int64_t max_items,
+             int64_t min_version) {
+            std::vector<int64_t> rows;
+            uint64_t epoch = 0, claim_id = 0;
+            {
+              py::gil_scoped_release release;
+              rows = d.claim_in(p, stage, max_rows, min_rows, timeout, &epoch, max_items, &claim_id, min_version);
+            }
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
+          },
+          py::arg("partition"), py::arg("stage"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"),
+          py::arg("max_items") = 0, py::arg("min_version") = dock::Controller::kAnyVersion)
+      .def(
+          "claim_dp",
+          [](DockCore& d, int p, int stage, const std::string& round, int dp_rank, int dp_size, int ranks,
+             int64_t max_rows, int64_t min_rows, double timeout, int64_t min_version) {
+            std::vector<int64_t> rows;
+            uint64_t epoch = 0, claim_id = 0;
+            {
+              py::gil_scoped_release release;
+              rows = d.claim_dp(p, stage, round, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, &epoch,
+                                &claim_id, min_version);
+            }
+            return py::make_tuple(to_array(std::move(rows)), epoch, claim_id);
+          },
+          py::arg("partition"), py::arg("stage"), py::arg("round"), py::arg("dp_rank"), py::arg("dp_size"),
+          py::arg("ranks_per_replica"), py::arg("max_rows"), py::arg("min_rows"), py::arg("timeout"),
+          py::arg("min_version") = dock::Controller::kAnyVersion)
+      .def(
+          "release_in",
+          [](DockCore& d, int p, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.release_in(p, stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
+          },
+          py::arg("partition"), py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
+      .def(
+          "complete_in",
+          [](DockCore& d, int p, int stage, const I64Array& rows, int64_t epoch, uint64_t claim_id) {
+            d.complete_in(p, stage, rows.data(), static_cast<size_t>(rows.size()), epoch, claim_id);
+          },
+          py::arg("partition"), py::arg("stage"), py::arg("rows"), py::arg("epoch") = -1, py::arg("claim_id") = 0)
+      .def(
+          "begin_put_in",
+          [](DockCore& d, int p, const I64Array& rows, int64_t epoch, int stage, uint64_t claim_id) {
+            uint64_t id = 0, put_epoch = 0;
+            {
+              py::gil_scoped_release release;
+              id = d.begin_put_in(p, rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id, &put_epoch);
+            }
+            return py::make_tuple(id, put_epoch);
+          },
+          py::arg("partition"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1, py::arg("claim_id") = 0)
+      .def(
+          "put_in",
+          [](DockCore& d, int p, const py::sequence& cols, const I64Array& rows, int64_t epoch, int stage,
+             uint64_t claim_id) {
+            std::vector<py::object> keep;
+            std::vector<ColumnInput> inputs = parse_inputs(cols, static_cast<size_t>(rows.size()), keep);
+            py::gil_scoped_release release;
+            d.put_in(p, inputs, rows.data(), static_cast<size_t>(rows.size()), epoch, stage, claim_id);
+          },
+          py::arg("partition"), py::arg("columns"), py::arg("rows"), py::arg("epoch") = -1, py::arg("stage") = -1,
+          py::arg("claim_id") = 0);
+}
+
 void bind_dock(py::module_& m) {
   py::class_<DockView>(m, "DockView", py::buffer_protocol(),
                        "Read-only bytes of a warehouse arena (zero-copy fetch); pins its iteration: the dock's "
@@ -158,8 +480,9 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("address", [](const DockView& v) { return reinterpret_cast<uintptr_t>(v.data()); })
       .def_property_readonly("nbytes", &DockView::nbytes);
 
-  py::class_<dock::DockCore>(m, "DockCore", "The embedded transfer dock: warehouses, controllers, row allocator.")
-      .def(py::init([](const std::vector<ColumnTuple>& columns,
+  py::class_<dock::DockCore> core(m, "DockCore",
+                                  "The dock's control plane (and, for the local backend, its warehouses).");
+  core.def(py::init([](const std::vector<ColumnTuple>& columns,
                        const std::vector<std::tuple<std::string, std::vector<std::string>, std::string>>& stages,
                        int64_t capacity, int64_t group_size, int warehouses, bool store_bytes) {
              dock::DockConfig cfg;
@@ -208,26 +531,14 @@ void bind_dock(py::module_& m) {
       .def(
           "publish",
           [](dock::DockCore& d, uint64_t put, const py::sequence& cols, const I64Array& rows, int stage,
-             uint64_t claim_id) {
-            std::vector<dock::ColumnMark> marks;
+             uint64_t claim_id, int partition) {
             std::vector<I64Array> keep;
-            keep.reserve(static_cast<size_t>(cols.size()));
-            for (const py::handle& h : cols) {
-              py::sequence t = h.cast<py::sequence>();  // type-checked (a tuple or list)
-              MSRL_CHECK(t.size() == 2, kInvalidArgument, "publish expects (column_id, lengths or None) pairs");
-              dock::ColumnMark m{t[0].cast<int>(), nullptr};
-              if (!t[1].is_none()) {
-                keep.push_back(t[1].cast<I64Array>());
-                MSRL_CHECK(keep.back().size() == rows.size(), kInvalidArgument, "publish: ", keep.back().size(),
-                           " lengths for ", rows.size(), " rows");
-                m.lengths = keep.back().data();
-              }
-              marks.push_back(m);
-            }
+            std::vector<dock::ColumnMark> marks = parse_marks(cols, static_cast<size_t>(rows.size()), keep);
             py::gil_scoped_release release;  // waits for the controllers' locks (and a reset in progress)
-            d.publish(put, marks, rows.data(), static_cast<size_t>(rows.size()), stage, claim_id);
+            d.publish(put, marks, rows.data(), static_cast<size_t>(rows.size()), stage, claim_id, partition);
           },
           py::arg("put"), py::arg("columns"), py::arg("rows"), py::arg("stage") = -1, py::arg("claim_id") = 0,
+          py::arg("partition") = 0,
           "Publishes a put: columns are (column id, lengths or None); ends the put.")
       .def("abort_put", &dock::DockCore::abort_put, py::arg("put"), py::arg("give_rows_back") = true,
            py::call_guard<py::gil_scoped_release>(),
@@ -319,7 +630,7 @@ void bind_dock(py::module_& m) {
             size_t nbytes = 0;
             void* dst = writable_ptr(out, &nbytes);
             const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
-                                d.config().columns.at(column).item_bytes();
+                                d.column(column).item_bytes();
             MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
             py::gil_scoped_release release;
             d.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst, epoch);
@@ -351,9 +662,34 @@ void bind_dock(py::module_& m) {
              return out;
            })
       .def("allocated_rows", &dock::DockCore::allocated_rows)
-      .def("progress", [](const dock::DockCore& d, int stage) { return progress_dict(d.controller(stage).progress()); })
-      .def("consumed",
-           [](const dock::DockCore& d, int stage, int64_t row) { return d.controller(stage).consumed(row); })
+      .def(
+          "progress",
+          [](const dock::DockCore& d, int stage, int partition) {
+            return progress_dict(d.controller(stage, partition).progress());
+          },
+          py::arg("stage"), py::arg("partition") = 0)
+      .def(
+          "consumed",
+          [](const dock::DockCore& d, int stage, int64_t row, int partition) {
+            return d.controller(stage, partition).consumed(row);
+          },
+          py::arg("stage"), py::arg("row"), py::arg("partition") = 0)
+      .def(
+          "column_stats",
+          [](const dock::DockCore& d, int column) {
+            py::list out;
+            for (int w = 0; w < d.num_warehouses(); ++w) {
+              const dock::ColumnStats st = d.warehouse(w).column_stats(column);
+              py::dict x;
+              x["rows_written"] = st.rows_written;
+              x["bytes_used"] = st.bytes_used;
+              x["arena_bytes"] = st.arena_bytes;
+              x["chunks"] = st.chunks;
+              out.append(x);
+            }
+            return out;
+          },
+          py::arg("column"), "Per warehouse: rows written, value bytes, arena bytes held and chunks of a column.")
       .def("warehouse_bytes",
            [](const dock::DockCore& d) {
              std::vector<int64_t> out;
@@ -380,6 +716,7 @@ void bind_dock(py::module_& m) {
           },
           py::arg("keep_unfinished") = false)
       .def("close", &dock::DockCore::close, py::call_guard<py::gil_scoped_release>());
+  bind_dock_keys(core);
 
   py::class_<dock::Warehouse>(m, "Warehouse", "One warehouse: columnar arenas for a contiguous range of rows.")
       .def(py::init([](int id, int64_t row_begin, int64_t num_rows, const std::vector<ColumnTuple>& columns,
@@ -393,6 +730,13 @@ void bind_dock(py::module_& m) {
            "external_arenas: addresses of caller-owned memory (arena_capacity(c) bytes per column) that must "
            "outlive the warehouse, e.g. shared-memory mappings.")
       .def("arena_capacity", &dock::Warehouse::arena_capacity)
+      .def(
+          "add_column", [](dock::Warehouse& w, const ColumnTuple& col) { return w.add_column(parse_column(col)); },
+          py::arg("column"))
+      .def(
+          "set_column", [](dock::Warehouse& w, int c, const ColumnTuple& col) { w.set_column(c, parse_column(col)); },
+          py::arg("id"), py::arg("column"))
+      .def_property_readonly("num_columns", &dock::Warehouse::num_columns)
       .def("locate",
            [](const dock::Warehouse& w, int column, const I64Array& rows) {
              py::array_t<int64_t> offs(rows.size()), lens(rows.size());
@@ -401,7 +745,7 @@ void bind_dock(py::module_& m) {
            })
       .def(
           "reserve",
-          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows, bool overwrite) {
             // [(column, lengths | None)] -> reservations, all or none.
             std::vector<int> ids;
             std::vector<const int64_t*> lens;
@@ -421,13 +765,14 @@ void bind_dock(py::module_& m) {
             std::vector<std::shared_ptr<dock::Reservation>> res;
             {
               py::gil_scoped_release release;
-              for (dock::Reservation& r : w.reserve_columns(ids, rows.data(), static_cast<size_t>(rows.size()), lens)) {
+              for (dock::Reservation& r :
+                   w.reserve_columns(ids, rows.data(), static_cast<size_t>(rows.size()), lens, overwrite)) {
                 res.push_back(std::make_shared<dock::Reservation>(std::move(r)));
               }
             }
             return res;
           },
-          py::arg("columns"), py::arg("rows"))
+          py::arg("columns"), py::arg("rows"), py::arg("overwrite") = false)
       .def("commit",
            [](dock::Warehouse& w, const std::vector<std::shared_ptr<dock::Reservation>>& res) {
              for (auto& r : res) w.commit(*r);
@@ -441,15 +786,15 @@ void bind_dock(py::module_& m) {
       .def_property_readonly("num_rows", &dock::Warehouse::num_rows)
       .def(
           "put",
-          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows) {
+          [](dock::Warehouse& w, const py::sequence& cols, const I64Array& rows, bool overwrite) {
             // All or nothing over the columns, as a DockCore put.
             std::vector<py::object> keep;
             std::vector<ColumnInput> inputs = parse_inputs(cols, static_cast<size_t>(rows.size()), keep);
             py::gil_scoped_release release;
             dock::store_columns(
-                {&w}, [](int64_t) { return 0; }, inputs, rows.data(), static_cast<size_t>(rows.size()));
+                {&w}, [](int64_t) { return 0; }, inputs, rows.data(), static_cast<size_t>(rows.size()), overwrite);
           },
-          py::arg("columns"), py::arg("rows"))
+          py::arg("columns"), py::arg("rows"), py::arg("overwrite") = false)
       .def("lengths",
            [](const dock::Warehouse& w, int column, const I64Array& rows) {
              py::array_t<int64_t> out(rows.size());
@@ -471,8 +816,9 @@ void bind_dock(py::module_& m) {
            [](const dock::Warehouse& w, int column, const I64Array& rows, int64_t max_items, py::buffer out) {
              size_t nbytes = 0;
              void* dst = writable_ptr(out, &nbytes);
-             const size_t need = static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
-                                 w.columns().at(column).item_bytes();
+             const size_t need =
+                 static_cast<size_t>(rows.size()) * static_cast<size_t>(max_items) *
+                 w.columns()[static_cast<size_t>(std::clamp(column, 0, w.num_columns() - 1))].item_bytes();
              MSRL_CHECK(nbytes == need, kInvalidArgument, "padded output has ", nbytes, " bytes, needs ", need);
              py::gil_scoped_release release;
              w.gather_padded(column, rows.data(), static_cast<size_t>(rows.size()), max_items, dst);

@@ -35,6 +35,7 @@ Controller::Controller(std::string stage, int64_t capacity, int64_t group_size, 
   done_.assign(capacity_, 0);
   row_len_.assign(capacity_, 0);
   claim_of_.assign(capacity_, 0);
+  version_.assign(capacity_, 0);
 }
 
 int Controller::slot_of(int column) const { return (column >= 0 && column <= max_column_) ? slot_[column] : -1; }
@@ -77,8 +78,19 @@ void Controller::mark_ready(int column, const int64_t* rows, size_t n, const int
   if (woke) cv_.notify_all();
 }
 
+size_t Controller::eligible_locked(int64_t min_version, size_t want) const {
+  if (min_version == kAnyVersion) return queue_.size();
+  size_t k = 0;
+  for (int64_t g : queue_) {
+    bool ok = true;
+    for (int64_t r = g * group_size_; r < (g + 1) * group_size_ && ok; ++r) ok = version_[r] >= min_version;
+    if (ok && ++k >= want) break;
+  }
+  return k;
+}
+
 std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
-                                       int64_t max_items, uint64_t* claim_id) {
+                                       int64_t max_items, uint64_t* claim_id, int64_t min_version) {
   MSRL_CHECK(max_rows >= group_size_, kInvalidArgument, "stage '", stage_, "': max_rows ", max_rows,
              " is smaller than one group (group_size ", group_size_, ")");
   MSRL_CHECK(min_rows >= 0 && min_rows <= max_rows, kInvalidArgument, "stage '", stage_, "': min_rows ", min_rows,
@@ -93,53 +105,120 @@ std::vector<int64_t> Controller::claim(int64_t max_rows, int64_t min_rows, doubl
 
   std::unique_lock<std::mutex> lock(mu_);
   MSRL_CHECK(!closed_, kClosed, "stage '", stage_, "': the dock is closed");
-  if (queue_.size() < std::max<size_t>(min_groups, 1) && timeout_s > 0) {
+  const size_t want = std::max<size_t>(min_groups, 1);
+  if (eligible_locked(min_version, want) < want && timeout_s > 0) {
     const auto deadline =
         std::chrono::steady_clock::now() +
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
     ++waiting_;
-    const size_t want = std::max<size_t>(min_groups, 1);
-    bool ok = cv_.wait_until(lock, deadline, [&] { return closed_ || queue_.size() >= want; });
+    bool ok = cv_.wait_until(lock, deadline, [&] { return closed_ || eligible_locked(min_version, want) >= want; });
     --waiting_;
     MSRL_CHECK(!closed_, kClosed, "stage '", stage_, "': the dock was closed while a claim waited");
-    if (!ok && queue_.size() < min_groups) {
+    const size_t have = eligible_locked(min_version, want);
+    if (!ok && have < min_groups) {
       MSRL_THROW(kTimeout, "stage '", stage_, "': claim of ", min_rows, "..", max_rows, " rows timed out after ",
-                 timeout_s, " s with ", queue_.size() * group_size_, " rows ready");
+                 timeout_s, " s with ", have * group_size_, " rows ready");
     }
   }
-  if (queue_.size() < min_groups) {
-    MSRL_THROW(kTimeout, "stage '", stage_, "': ", queue_.size() * group_size_, " rows ready, fewer than min_rows ",
-               min_rows, " (timeout ", timeout_s, " s)");
+  const size_t avail = eligible_locked(min_version, max_groups);
+  if (avail < min_groups) {
+    MSRL_THROW(kTimeout, "stage '", stage_, "': ", avail * group_size_, " rows ready, fewer than min_rows ", min_rows,
+               " (timeout ", timeout_s, " s)");
   }
-  size_t take = std::min(max_groups, queue_.size());
+  // The eligible groups in FIFO order (all of the queue's head without a version filter).
+  std::vector<size_t> picks;  // positions in queue_
+  for (size_t q = 0; q < queue_.size() && picks.size() < max_groups; ++q) {
+    const int64_t g = queue_[q];
+    bool ok = true;
+    if (min_version != kAnyVersion) {
+      for (int64_t r = g * group_size_; r < (g + 1) * group_size_ && ok; ++r) ok = version_[r] >= min_version;
+    }
+    if (ok) picks.push_back(q);
+  }
+  size_t take = picks.size();
   if (max_items > 0) {  // length-balanced: FIFO groups while their items fit the budget
     int64_t items = 0;
     size_t k = 0;
     for (; k < take; ++k) {
-      const int64_t g = queue_[k];
+      const int64_t g = queue_[picks[k]];
       int64_t gi = 0;
       for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) gi += row_len_[r];
       if (k > 0 && items + gi > max_items) break;
       items += gi;
     }
-    take = std::max<size_t>(k, std::min<size_t>(min_groups, queue_.size()));
+    take = std::max<size_t>(k, std::min<size_t>(min_groups, picks.size()));
   }
+  picks.resize(take);
   std::vector<int64_t> rows;
   rows.reserve(take * group_size_);
   const uint64_t id = next_claim_++;
-  for (size_t k = 0; k < take; ++k) {
-    const int64_t g = queue_.front();
-    queue_.pop_front();
+  for (size_t q : picks) {
+    const int64_t g = queue_[q];
     for (int64_t r = g * group_size_; r < (g + 1) * group_size_; ++r) {
       consumed_[r] = 1;
       claim_of_[r] = id;
       rows.push_back(r);
     }
   }
+  if (take == picks.size() && !picks.empty() && picks.back() + 1 == take) {
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<std::ptrdiff_t>(take));  // the head: the common case
+  } else {
+    std::deque<int64_t> rest;
+    size_t p = 0;
+    for (size_t q = 0; q < queue_.size(); ++q) {
+      if (p < picks.size() && picks[p] == q) {
+        ++p;
+        continue;
+      }
+      rest.push_back(queue_[q]);
+    }
+    queue_.swap(rest);
+  }
   consumed_rows_ += static_cast<int64_t>(rows.size());
   if (epoch != nullptr) *epoch = epoch_;
   if (claim_id != nullptr) *claim_id = id;
   return rows;
+}
+
+void Controller::set_versions(const int64_t* rows, size_t n, const int64_t* versions) {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) version_[rows[i]] = versions[i];
+  }
+  cv_.notify_all();  // a claim waiting for new enough rows re-checks
+}
+
+std::vector<int64_t> Controller::items_of(const int64_t* rows, size_t n) const {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  std::vector<int64_t> out(n, 1);
+  if (length_column_ < 0) return out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) out[i] = row_len_[rows[i]];
+  return out;
+}
+
+void Controller::erase(const int64_t* rows, size_t n) {
+  for (size_t i = 0; i < n; ++i) check_row(rows[i]);
+  const size_t slots = inputs_.size();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i], g = r / group_size_;
+    if (ready_count_[r] == slots && slots > 0) --group_ready_[g];
+    for (size_t s = 0; s < slots; ++s) ready_bits_[s * capacity_ + r] = 0;
+    ready_count_[r] = 0;
+    if (consumed_[r]) --consumed_rows_;
+    consumed_[r] = done_[r] = 0;
+    claim_of_[r] = 0;
+    row_len_[r] = 0;
+    version_[r] = 0;
+    groups.push_back(g);
+  }
+  std::sort(groups.begin(), groups.end());
+  queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                              [&](int64_t g) { return std::binary_search(groups.begin(), groups.end(), g); }),
+               queue_.end());
 }
 
 void Controller::release(const int64_t* rows, size_t n, uint64_t claim_id) {
@@ -248,6 +327,7 @@ void Controller::reset() {
   std::fill(done_.begin(), done_.end(), 0);
   std::fill(row_len_.begin(), row_len_.end(), 0);
   std::fill(claim_of_.begin(), claim_of_.end(), 0);
+  std::fill(version_.begin(), version_.end(), 0);
   queue_.clear();
   consumed_rows_ = 0;
   ++epoch_;
@@ -276,6 +356,7 @@ void Controller::reset(const std::vector<uint8_t>& keep_groups) {
         std::fill(done_.begin() + b, done_.begin() + e, 0);
         std::fill(row_len_.begin() + b, row_len_.begin() + e, 0);
         std::fill(claim_of_.begin() + b, claim_of_.begin() + e, 0);
+        std::fill(version_.begin() + b, version_.begin() + e, 0);
         group_ready_[g] = 0;
         continue;
       }

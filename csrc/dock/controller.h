@@ -50,8 +50,18 @@ class Controller {
   // stage get about the same number of tokens rather than the same number of rows.
   // `claim_id`, when given, receives the claim's identity (unique per controller, never 0): release and
   // complete with it check that the claim still holds its rows. timeout_s is clamped to kMaxWaitS.
+  // min_version (max_staleness): only groups whose every row has a policy version >= min_version are
+  // claimed (FIFO among them); older groups are skipped and stay queued. kAnyVersion: no filter.
   std::vector<int64_t> claim(int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch = nullptr,
-                             int64_t max_items = 0, uint64_t* claim_id = nullptr);
+                             int64_t max_items = 0, uint64_t* claim_id = nullptr, int64_t min_version = kAnyVersion);
+  static constexpr int64_t kAnyVersion = INT64_MIN;
+  // The policy version of rows (for min_version claims); 0 until set.
+  void set_versions(const int64_t* rows, size_t n, const int64_t* versions);
+  // Items per row of the length column (1 per row without one), for DP shares.
+  std::vector<int64_t> items_of(const int64_t* rows, size_t n) const;
+  // Forgets rows (erase / drop): readiness, lengths, version, consumption and any claim on them (a later
+  // release/complete/put with that claim on these rows is refused). Their groups leave the queue.
+  void erase(const int64_t* rows, size_t n);
   static constexpr double kMaxWaitS = 365.0 * 86400.0;
   int length_column() const { return length_column_; }
 
@@ -103,13 +113,15 @@ class Controller {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<uint8_t> ready_bits_;    // [slot * capacity + row]
-  std::vector<uint16_t> ready_count_;  // per row: input columns written
-  std::vector<int64_t> group_ready_;   // per group: fully ready rows
-  std::vector<uint8_t> consumed_;      // per row
-  std::vector<uint8_t> done_;          // per row: claimed and completed (complete())
-  std::vector<int64_t> row_len_;       // per row, from the length column
-  std::vector<uint64_t> claim_of_;     // per row: the claim holding it (0: none)
+  std::vector<uint8_t> ready_bits_;                                // [slot * capacity + row]
+  std::vector<uint16_t> ready_count_;                              // per row: input columns written
+  std::vector<int64_t> group_ready_;                               // per group: fully ready rows
+  std::vector<uint8_t> consumed_;                                  // per row
+  std::vector<uint8_t> done_;                                      // per row: claimed and completed (complete())
+  std::vector<int64_t> row_len_;                                   // per row, from the length column
+  std::vector<uint64_t> claim_of_;                                 // per row: the claim holding it (0: none)
+  std::vector<int64_t> version_;                                   // per row: policy version (set_versions)
+  size_t eligible_locked(int64_t min_version, size_t want) const;  // queued groups passing the filter, up to want
   uint64_t next_claim_ = 1;
   std::deque<int64_t> queue_;  // groups fully ready and not consumed, FIFO
   int64_t consumed_rows_ = 0;

@@ -34,8 +34,8 @@ struct StageSpec {
 
 struct DockConfig {
   std::vector<ColumnSpec> columns;  // ragged columns: arena_bytes is per warehouse
-  std::vector<StageSpec> stages;
-  int64_t capacity = 0;  // rows
+  std::vector<StageSpec> stages;    // may be empty (a keyed store read with get(), no stages)
+  int64_t capacity = 0;             // rows
   int64_t group_size = 1;
   int warehouses = 1;
   // false: metadata only (the Ray controller): rows, readiness, claims, puts in flight and reset, but no
@@ -63,7 +63,7 @@ struct ColumnInput {
 // everywhere, copies without locks, commits; on error nothing changed. Returns the bytes stored.
 // DockCore's puts use it over its warehouses, a Ray warehouse actor over its one.
 int64_t store_columns(const std::vector<Warehouse*>& warehouses, const std::function<int(int64_t)>& route,
-                      const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n);
+                      const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, bool overwrite = false);
 
 struct OpStats {
   std::atomic<int64_t> count{0};
@@ -74,8 +74,29 @@ struct OpStats {
   void record(int64_t ns, int64_t nrows, int64_t nbytes);
 };
 
+// A tag entry: (name, value as JSON text). Tags are never interpreted natively, only stored and merged.
+using TagItem = std::pair<std::string, std::string>;
+using Tags = std::vector<TagItem>;
+
+// A put by keys, begun (begin_put_keys): its rows in key order and which of them are new.
+struct KeyedPut {
+  uint64_t put = 0;
+  std::vector<int64_t> rows;
+  std::vector<uint8_t> fresh;  // 1: the key is new (its row allocated by this put)
+  uint64_t put_epoch = 0;
+  bool rewrites = false;  // some cell of the put is already written (overwrite=true)
+};
+
+// The keys of a partition with their rows and tags (list_keys).
+struct KeyListing {
+  std::vector<std::string> keys;
+  std::vector<int64_t> rows;
+  std::vector<Tags> tags;
+};
+
 class DockCore {
  public:
+  static constexpr int kMaxPartitions = 256;
   explicit DockCore(DockConfig config);
   DockCore(const DockCore&) = delete;
   DockCore& operator=(const DockCore&) = delete;
@@ -89,7 +110,75 @@ class DockCore {
   std::pair<int64_t, int64_t> warehouse_rows(int w) const;
   bool stores_bytes() const { return config_.store_bytes; }
   const Warehouse& warehouse(int w) const;  // store_bytes only
-  const Controller& controller(int s) const { return *controllers_.at(s); }
+  const Controller& controller(int s, int partition = 0) const;
+  int num_columns() const { return ncols_.load(std::memory_order_acquire); }
+  const ColumnSpec& column(int c) const;  // NotFound
+  // A column declared at run time, or the id of an existing one with the same type. A column of that
+  // name with another dtype, inner shape or raggedness: InvalidArgument naming both, nothing changed.
+  // Thread-safe: concurrent first puts of a column agree on one declaration. Stages reading the name
+  // (declared in their inputs before the column existed) start counting it.
+  int declare_column(const ColumnSpec& spec);
+
+  // ---- Partitions and keys (the keyed store). Partition 0 is the default partition (name ""): the
+  // row-id API (put_new, put with rows, claims without a partition) works in it. Every other partition
+  // is a name with its own keys, tags, readiness and claims per stage and epoch (clears); all share the
+  // row space and the warehouses. Keys are opaque byte strings, unique within their partition. ----
+  int partition(const std::string& name, bool create);  // NotFound (create=false) naming the known ones
+  std::vector<std::string> partition_names() const;     // live named partitions
+  uint64_t partition_epoch(int p) const;
+  // Begins a put of `columns` into the rows of `keys` (new keys get rows, as whole groups in key order):
+  // validated first (a key twice, an existing key's written cell without overwrite, a key being put or
+  // erased by another call, new keys not whole groups, the dock full) with nothing changed on error.
+  // New keys are pending (invisible) until publish_keys; abort_put forgets them.
+  KeyedPut begin_put_keys(int p, const std::vector<std::string>& keys, const std::vector<int>& columns, bool overwrite);
+  // Publishes a begun keyed put: keys visible, written cells, tags merged (tags empty or one per key),
+  // versions (empty, or one per key), readiness for the partition's stages. Ends the put.
+  void publish_keys(const KeyedPut& kp, int p, const std::vector<ColumnMark>& columns, const std::vector<Tags>& tags,
+                    const std::vector<int64_t>& versions);
+  // The whole keyed put on a dock holding its bytes; with rewrites, fetches wait (no torn reads) and
+  // zero-copy views must not be alive.
+  std::vector<int64_t> put_keys(int p, const std::vector<std::string>& keys, const std::vector<ColumnInput>& inputs,
+                                bool overwrite, const std::vector<Tags>& tags, const std::vector<int64_t>& versions);
+  std::vector<int64_t> rows_of(int p, const std::vector<std::string>& keys) const;  // NotFound
+  std::vector<std::string> keys_of(int p, const int64_t* rows, size_t n) const;     // NotFound
+  KeyListing list_keys(int p) const;                                                // in row order
+  // Written flags [keys x columns] (1 = written).
+  std::vector<uint8_t> written(int p, const std::vector<std::string>& keys, const std::vector<int>& columns) const;
+  // Upserts tags (one Tags per key, merged by name); unknown keys are created without data.
+  void tag(int p, const std::vector<std::string>& keys, const std::vector<Tags>& tags);
+  // Erase in steps for a backend whose warehouses are elsewhere: begin_erase forgets the keys (or
+  // rows) in the partition's metadata — readiness, claims, tags, versions — and returns their rows,
+  // which stay unusable until end_erase (after the caller erased their bytes). Refuses (nothing
+  // changed) rows a put in flight writes. Unknown keys: NotFound.
+  std::vector<int64_t> begin_erase_keys(int p, const std::vector<std::string>& keys);
+  std::vector<int64_t> begin_erase_rows(int p, const int64_t* rows, size_t n);
+  std::vector<int64_t> begin_clear(int p);  // every row of the partition; its epoch + 1 (claims stale)
+  void end_erase(const std::vector<int64_t>& rows) noexcept;  // the rows' groups become free when empty
+  // The whole erase on a dock holding its bytes: waits for fetches in flight (deadline kResetWaitS);
+  // refuses while zero-copy views are alive.
+  void erase_keys(int p, const std::vector<std::string>& keys);
+  void erase_rows(int p, const int64_t* rows, size_t n);
+  void clear(int p);
+  void drop_partition(int p);  // clear + the name is forgotten (p 0 cannot be dropped)
+  // Claims in a partition; min_version filters by policy version (Controller::claim).
+  std::vector<int64_t> claim_in(int p, int stage, int64_t max_rows, int64_t min_rows, double timeout_s, uint64_t* epoch,
+                                int64_t max_items, uint64_t* claim_id, int64_t min_version);
+  // DP-aware claim: round `round` of D = dp_size replicas with R ranks each: the round's first call
+  // claims up to D * max_rows rows and splits them into D shares balanced by the stage's length column
+  // (else rows); call (round, dp_rank) gets share dp_rank, every rank of a replica the same rows; the
+  // round is forgotten after D * R calls. Shares of a round never overlap.
+  std::vector<int64_t> claim_dp(int p, int stage, const std::string& round, int dp_rank, int dp_size,
+                                int ranks_per_replica, int64_t max_rows, int64_t min_rows, double timeout_s,
+                                uint64_t* epoch, uint64_t* claim_id, int64_t min_version);
+  void release_in(int p, int stage, const int64_t* rows, size_t n, int64_t epoch, uint64_t claim_id);
+  void complete_in(int p, int stage, const int64_t* rows, size_t n, int64_t epoch, uint64_t claim_id);
+  // begin_put / publish of a claim's put into existing rows in a partition.
+  uint64_t begin_put_in(int p, const int64_t* rows, size_t n, int64_t epoch, int stage, uint64_t claim_id,
+                        uint64_t* put_epoch = nullptr);
+  void put_in(int p, const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t epoch, int stage,
+              uint64_t claim_id);
+  // True when the column of the row is written (metadata, both backends).
+  bool cell_written(int column, int64_t row) const;
 
   // Allocates n rows (whole groups) and writes the columns into them; on any error nothing changes.
   std::vector<int64_t> put_new(const std::vector<ColumnInput>& inputs, int64_t n);
@@ -120,7 +209,7 @@ class DockCore {
   //    nothing published when reset(force) abandoned the put or the rows are not those it began with. A
   //    reset waits for a publish in progress (a put is wholly before or after it).
   void publish(uint64_t put, const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage = -1,
-               uint64_t claim_id = 0);
+               uint64_t claim_id = 0, int p = 0);
   //    Or abort: ends the put and returns true when it was in flight (nothing of it published, and now
   //    nothing will be); false for an unknown id, an ended put or one reset(force) abandoned. With
   //    give_rows_back the rows begin_put_new allocated for it go back to the allocator; without (its bytes
@@ -186,24 +275,68 @@ class DockCore {
 
  private:
   std::vector<int64_t> allocate(int64_t n, uint64_t* alloc_epoch);             // the iteration it allocated in
+  std::vector<int64_t> allocate_locked(int64_t n, uint64_t* alloc_epoch);      // alloc_mu_ held
   uint64_t register_put(uint64_t* put_epoch);                                  // waits while a reset runs
   std::vector<int64_t> groups_of(const std::vector<int64_t>& new_rows) const;  // rows of whole groups
   void end_put(uint64_t put) noexcept;                                         // published: the put's rows stay
   void publish_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n, int stage,
-                      uint64_t claim_id);
-  void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes);
+                      uint64_t claim_id, int p = 0);
+  void store(const std::vector<ColumnInput>& inputs, const int64_t* rows, size_t n, int64_t* nbytes,
+             bool overwrite = false);
   std::vector<int64_t> reset_state(bool keep_unfinished);  // ops_mu_ held exclusively, resetting_ set
   void need_bytes(const char* op) const;
   // Gives groups allocated in iteration `epoch` back; nothing once a reset moved on (it freed them).
   void free_groups(const std::vector<int64_t>& groups, uint64_t epoch) noexcept;
-  void check_allocated(const int64_t* rows, size_t n) const;
-  void check_epoch(int64_t epoch) const;
+  void check_allocated(const int64_t* rows, size_t n, int p = 0) const;
+  void check_epoch(int64_t epoch, int p = 0) const;
+  void check_stage(int p, int stage) const;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int64_t> live_views_{0};  // changed under ops_mu_ (shared to pin, exclusive in reset)
 
   DockConfig config_;
   std::vector<std::unique_ptr<Warehouse>> warehouses_;
-  std::vector<std::unique_ptr<Controller>> controllers_;
+  // Partitions: slot 0 the default; slots are never freed (a dropped one is reused by a new name).
+  struct Partition {
+    std::string name;
+    bool live = false;
+    std::atomic<uint64_t> epoch{0};
+    std::vector<std::unique_ptr<Controller>> controllers;
+    std::unordered_map<std::string, int64_t> key_row;  // includes pending keys
+  };
+  std::vector<std::unique_ptr<Controller>>& ctl(int p) const;
+  Partition& part(int p) const;
+  void new_controllers(Partition& pt);
+  std::vector<std::unique_ptr<Partition>> partitions_;  // kMaxPartitions slots, filled on creation
+  std::atomic<int> npartitions_{1};
+  mutable std::mutex part_mu_;  // creation / drop of partitions
+
+  // Row metadata of the keyed store (keys_mu_): partition (-1: free), key, pending (a put in flight
+  // created the key), erasing, written cells per column, tags.
+  mutable std::mutex keys_mu_;
+  std::vector<int16_t> row_part_;
+  std::vector<std::string> row_key_;
+  std::vector<uint8_t> row_pending_;
+  std::vector<uint8_t> row_erasing_;
+  std::vector<std::vector<uint8_t>> written_;  // [column][row], sized kMaxColumns, rows on first use
+  std::vector<Tags> row_tags_;
+  std::vector<int64_t> group_live_;  // rows with a key (or pending) per group of keyed partitions
+  void mark_written_locked(const std::vector<ColumnMark>& columns, const int64_t* rows, size_t n);
+  void forget_rows_locked(const std::vector<int64_t>& rows);
+  std::vector<int64_t> begin_erase_locked(int p, std::vector<int64_t> rows);
+  void erase_local(int p, const std::vector<int64_t>& rows);  // bytes of this process's warehouses
+
+  // Columns: config_.columns is reserved to Warehouse::kMaxColumns and only appended (cols_mu_).
+  std::mutex cols_mu_;
+  std::atomic<int> ncols_{0};
+
+  // DP rounds: (partition, stage, round) -> the shares and calls left.
+  struct DpRound {
+    std::vector<std::vector<int64_t>> shares;
+    uint64_t epoch = 0, claim_id = 0;
+    int calls_left = 0;
+  };
+  std::mutex dp_mu_;
+  std::unordered_map<std::string, DpRound> dp_rounds_;
   std::vector<int> group_warehouse_;                         // group -> warehouse
   std::vector<std::pair<int64_t, int64_t>> warehouse_rows_;  // warehouse -> (first row, rows)
 
@@ -225,7 +358,9 @@ class DockCore {
   struct PutEntry {
     std::vector<int64_t> rows;
     bool allocated = false;
-    uint64_t alloc_epoch = 0;  // the iteration its groups were allocated in
+    uint64_t alloc_epoch = 0;         // the iteration its groups were allocated in
+    int partition = -1;               // a keyed put: its new keys are pending in this partition
+    std::vector<int64_t> fresh_rows;  // rows of the new keys
   };
   std::unordered_map<uint64_t, PutEntry> puts_;
   uint64_t next_put_ = 0;

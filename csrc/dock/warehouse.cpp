@@ -48,58 +48,187 @@ size_t ColumnSpec::item_bytes() const {
 
 Warehouse::Warehouse(int id, int64_t row_begin, int64_t num_rows, std::vector<ColumnSpec> columns,
                      std::vector<uint8_t*> external_arenas)
-    : id_(id), row_begin_(row_begin), num_rows_(num_rows), columns_(std::move(columns)) {
-  MSRL_CHECK(external_arenas.empty() || external_arenas.size() == columns_.size(), kInvalidArgument, "warehouse ", id,
-             ": ", external_arenas.size(), " external arenas for ", columns_.size(), " columns");
+    : id_(id), row_begin_(row_begin), num_rows_(num_rows) {
+  MSRL_CHECK(external_arenas.empty() || external_arenas.size() == columns.size(), kInvalidArgument, "warehouse ", id,
+             ": ", external_arenas.size(), " external arenas for ", columns.size(), " columns");
   MSRL_CHECK(num_rows > 0, kInvalidArgument, "warehouse ", id, ": num_rows must be > 0, got ", num_rows);
   MSRL_CHECK(row_begin >= 0, kInvalidArgument, "warehouse ", id, ": row_begin must be >= 0, got ", row_begin);
-  MSRL_CHECK(!columns_.empty(), kInvalidArgument, "warehouse ", id, ": needs at least one column");
-  arenas_.resize(columns_.size());
-  for (size_t c = 0; c < columns_.size(); ++c) {
-    const ColumnSpec& spec = columns_[c];
+  MSRL_CHECK(columns.size() <= static_cast<size_t>(kMaxColumns), kInvalidArgument, "warehouse ", id, ": ",
+             columns.size(), " columns, at most ", kMaxColumns);
+  columns_.reserve(kMaxColumns);
+  arenas_.reserve(kMaxColumns);
+  for (size_t c = 0; c < columns.size(); ++c) {
+    const ColumnSpec& spec = columns[c];
     for (size_t j = 0; j < c; ++j) {
-      MSRL_CHECK(columns_[j].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name, "'");
+      MSRL_CHECK(columns[j].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name, "'");
     }
-    for (int64_t d : spec.inner_shape) {
-      MSRL_CHECK(d > 0, kInvalidArgument, "column '", spec.name, "': shape dims must be > 0, got ", d);
-    }
-    Arena& a = arenas_[c];
-    if (spec.ragged) {
-      MSRL_CHECK(spec.arena_bytes > 0, kInvalidArgument, "ragged column '", spec.name,
-                 "': arena_bytes must be > 0, got ", spec.arena_bytes);
-      a.capacity = spec.arena_bytes;
-    } else {
-      a.capacity = num_rows * static_cast<int64_t>(spec.item_bytes());
-    }
-    if (!external_arenas.empty()) {
-      MSRL_CHECK(external_arenas[c] != nullptr || a.capacity == 0, kInvalidArgument, "column '", spec.name,
-                 "': external arena is null");
-      a.base = external_arenas[c];
-    }
-    a.state.assign(num_rows, kEmpty);
-    a.offset.assign(num_rows, 0);
-    a.length.assign(num_rows, 0);
   }
+  for (size_t c = 0; c < columns.size(); ++c) {
+    Arena a;
+    init_arena(a, columns[c], external_arenas.empty() ? nullptr : external_arenas[c]);
+    MSRL_CHECK(external_arenas.empty() || external_arenas[c] != nullptr || a.chunks[0].capacity == 0, kInvalidArgument,
+               "column '", columns[c].name, "': external arena is null");
+    a.external = !external_arenas.empty();
+    columns_.push_back(columns[c]);
+    arenas_.push_back(std::move(a));
+  }
+  ncols_.store(static_cast<int>(columns_.size()), std::memory_order_release);
+}
+
+void Warehouse::init_arena(Arena& a, const ColumnSpec& spec, uint8_t* external) {
+  for (int64_t d : spec.inner_shape) {
+    MSRL_CHECK(d > 0, kInvalidArgument, "column '", spec.name, "': shape dims must be > 0, got ", d);
+  }
+  Chunk ch;
+  if (spec.ragged) {
+    MSRL_CHECK(spec.arena_bytes > 0, kInvalidArgument, "ragged column '", spec.name, "': arena_bytes must be > 0, got ",
+               spec.arena_bytes);
+    ch.capacity = spec.arena_bytes;
+  } else {
+    ch.capacity = num_rows_ * static_cast<int64_t>(spec.item_bytes());
+  }
+  ch.base = external;
+  a.chunks.push_back(std::move(ch));
+  a.state.assign(num_rows_, kEmpty);
+  a.offset.assign(num_rows_, 0);
+  a.length.assign(num_rows_, 0);
+}
+
+int Warehouse::add_column(const ColumnSpec& spec) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int n = ncols_.load(std::memory_order_relaxed);
+  MSRL_CHECK(n < kMaxColumns, kInvalidArgument, "warehouse ", id_, ": cannot add column '", spec.name, "', at most ",
+             kMaxColumns, " columns");
+  for (int c = 0; c < n; ++c) {
+    MSRL_CHECK(columns_[c].name != spec.name, kInvalidArgument, "duplicate column name '", spec.name, "'");
+  }
+  Arena a;
+  init_arena(a, spec, nullptr);
+  columns_.push_back(spec);  // reserved: no reallocation, readers of other columns are unaffected
+  arenas_.push_back(std::move(a));
+  ncols_.store(n + 1, std::memory_order_release);
+  return n;
+}
+
+void Warehouse::set_column(int column, const ColumnSpec& spec) {
+  (void)arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  MSRL_CHECK(!columns_[column].declared && arenas_[column].rows_written == 0, kInvalidArgument, "column '",
+             columns_[column].name, "' is declared already");
+  MSRL_CHECK(spec.name == columns_[column].name, kInvalidArgument, "set_column: name '", spec.name, "' for column '",
+             columns_[column].name, "'");
+  Arena a;
+  init_arena(a, spec, nullptr);
+  arenas_[column] = std::move(a);
+  columns_[column] = spec;
 }
 
 int Warehouse::column_index(const std::string& name) const {
-  for (size_t c = 0; c < columns_.size(); ++c)
-    if (columns_[c].name == name) return static_cast<int>(c);
+  const int n = num_columns();
+  for (int c = 0; c < n; ++c)
+    if (columns_[c].name == name) return c;
   MSRL_THROW(kNotFound, "unknown column '", name, "'");
 }
 
 const Warehouse::Arena& Warehouse::arena(int column) const {
-  MSRL_CHECK(column >= 0 && column < static_cast<int>(columns_.size()), kNotFound, "column index ", column,
-             " out of range [0, ", columns_.size(), ")");
+  const int n = num_columns();
+  MSRL_CHECK(column >= 0 && column < n, kNotFound, "column index ", column, " out of range [0, ", n, ")");
   return arenas_[column];
 }
 
-Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths) {
+int64_t Warehouse::max_row_bytes(int column) const {
+  const Arena& a = arena(column);
+  if (!columns_[column].ragged) return static_cast<int64_t>(columns_[column].item_bytes());
+  std::lock_guard<std::mutex> lock(mu_);
+  return a.external || !columns_[column].growable ? a.chunks[0].capacity : kMaxChunkBytes;
+}
+
+const uint8_t* Warehouse::row_ptr(const Arena& a, int64_t local) const {
+  const int64_t off = a.offset[local];
+  return a.chunks[chunk_of(off)].base + in_chunk(off);
+}
+
+std::pair<int, int64_t> Warehouse::place_locked(Arena& a, const ColumnSpec& spec, int64_t total) {
+  auto fits = [&](Chunk& c) { return c.top + total <= c.capacity; };
+  auto ensure = [&](Chunk& c) {
+    if (c.base == nullptr && c.capacity > 0) {
+      c.owned.reset(new (std::nothrow) uint8_t[c.capacity]);
+      c.base = c.owned.get();
+      MSRL_CHECK(c.base != nullptr, kOutOfMemory, "column '", spec.name, "': cannot allocate ", c.capacity,
+                 " arena bytes");
+    }
+  };
+  Chunk& cur = a.chunks[a.cur];
+  if (fits(cur)) {
+    ensure(cur);
+    return {a.cur, cur.top};
+  }
+  // An empty chunk big enough is reused from its start.
+  for (size_t k = 0; k < a.chunks.size(); ++k) {
+    Chunk& c = a.chunks[k];
+    if (c.live == 0 && c.capacity >= total && (c.base != nullptr || !a.external)) {
+      c.top = 0;
+      ensure(c);
+      a.cur = static_cast<int>(k);
+      return {a.cur, 0};
+    }
+  }
+  MSRL_CHECK(!a.external && spec.growable, kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ",
+             total, " bytes does not fit (", cur.capacity - cur.top, " of ", cur.capacity, " arena bytes free",
+             a.external ? ", in caller-provided memory that cannot grow" : ", max_bytes is its bound",
+             "); raise the column's max_bytes, erase or reset()");
+  MSRL_CHECK(total <= kMaxChunkBytes, kOutOfMemory, "column '", spec.name, "': put of ", total,
+             " bytes is more than one arena chunk may hold (", kMaxChunkBytes, ")");
+  // Grow: a new chunk of at least the configured arena size (a freed slot is reused).
+  Chunk fresh;
+  fresh.capacity = std::max(spec.arena_bytes, total);
+  ensure(fresh);
+  size_t slot = a.chunks.size();
+  for (size_t k = 1; k < a.chunks.size(); ++k) {
+    if (a.chunks[k].base == nullptr && a.chunks[k].live == 0) {
+      slot = k;
+      break;
+    }
+  }
+  MSRL_CHECK(slot < (size_t{1} << (63 - kChunkShift)), kOutOfMemory, "column '", spec.name, "': too many arena chunks");
+  if (slot == a.chunks.size()) {
+    a.chunks.push_back(std::move(fresh));
+  } else {
+    a.chunks[slot] = std::move(fresh);
+  }
+  a.cur = static_cast<int>(slot);
+  return {a.cur, 0};
+}
+
+void Warehouse::release_bytes_locked(Arena& a, int64_t off, int64_t nbytes) {
+  Chunk& c = a.chunks[chunk_of(off)];
+  c.live -= nbytes;
+  if (c.live == 0) c.top = 0;  // all its rows are gone: the chunk is free from its start
+}
+
+void Warehouse::free_empty_chunks_locked(Arena& a) {
+  for (size_t k = 1; k < a.chunks.size(); ++k) {
+    Chunk& c = a.chunks[k];
+    if (c.live == 0 && c.owned) {
+      c.owned.reset();
+      c.base = nullptr;
+      c.capacity = 0;
+      c.top = 0;
+      if (a.cur == static_cast<int>(k)) a.cur = 0;
+    }
+  }
+  while (a.chunks.size() > 1 && a.chunks.back().base == nullptr && a.chunks.back().live == 0) a.chunks.pop_back();
+  if (a.cur >= static_cast<int>(a.chunks.size())) a.cur = 0;
+}
+
+Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths, bool overwrite) {
   (void)arena(column);
   const ColumnSpec& spec = columns_[column];
   const int64_t item = static_cast<int64_t>(spec.item_bytes());
+  const int64_t bound = max_row_bytes(column);
   Reservation r;
   r.column = column;
+  r.overwrite = overwrite;
   r.rows.assign(rows, rows + n);
   r.lengths.resize(n);
   r.nbytes.resize(n);
@@ -113,9 +242,9 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
       MSRL_CHECK(lengths != nullptr, kInvalidArgument, "column '", spec.name, "' is ragged: lengths are required");
       len = lengths[i];
       MSRL_CHECK(len >= 0, kInvalidArgument, "column '", spec.name, "': row ", rows[i], " has negative length ", len);
-      // Bounded by the arena before multiplying: a huge length must not wrap the byte count.
-      MSRL_CHECK(item == 0 || len <= arena_capacity(column) / item, kOutOfMemory, "column '", spec.name, "': row ",
-                 rows[i], " has ", len, " items, more than its arena holds (", arena_capacity(column), " bytes)");
+      // Bounded before multiplying: a huge length must not wrap the byte count.
+      MSRL_CHECK(item == 0 || len <= bound / item, kOutOfMemory, "column '", spec.name, "': row ", rows[i], " has ",
+                 len, " items, more than its arena holds (", bound, " bytes)");
     }
     r.lengths[i] = len;
     r.nbytes[i] = len * item;
@@ -124,55 +253,70 @@ Reservation Warehouse::reserve(int column, const int64_t* rows, size_t n, const 
   std::lock_guard<std::mutex> lock(mu_);
   Arena& a = arenas_[column];
   for (size_t i = 0; i < n; ++i) {
-    int64_t local = rows[i] - row_begin_;
-    MSRL_CHECK(a.state[local] == kEmpty, kInvalidArgument, "column '", spec.name, "': row ", rows[i],
-               a.state[local] == kWriting ? " is being written by another put" : " is already written",
-               " (a row is written once per iteration; reset() clears it)");
+    const uint8_t st = a.state[rows[i] - row_begin_];
+    MSRL_CHECK(st == kEmpty || (overwrite && st == kWritten), kInvalidArgument, "column '", spec.name, "': row ",
+               rows[i],
+               st == kWriting || st == kRewriting ? " is being written by another put"
+                                                  : " is already written (rewrite it with overwrite=True)");
   }
   // Duplicates: mark rows one by one; a row seen twice is undone before throwing.
+  std::vector<uint8_t> before(n);
   for (size_t i = 0; i < n; ++i) {
-    int64_t local = rows[i] - row_begin_;
-    if (a.state[local] != kEmpty) {
-      for (size_t j = 0; j < i; ++j) a.state[rows[j] - row_begin_] = kEmpty;
+    uint8_t& st = a.state[rows[i] - row_begin_];
+    if (st == kWriting || st == kRewriting) {
+      for (size_t j = 0; j < i; ++j) a.state[rows[j] - row_begin_] = before[j];
       MSRL_THROW(kInvalidArgument, "column '", spec.name, "': row ", rows[i], " appears twice in one put");
     }
-    a.state[local] = kWriting;
+    before[i] = st;
+    st = st == kWritten ? kRewriting : kWriting;
   }
-  if (spec.ragged && a.top + total > a.capacity) {
-    for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
-    MSRL_THROW(kOutOfMemory, "column '", spec.name, "' in warehouse ", id_, ": put of ", total, " bytes does not fit (",
-               a.capacity - a.top, " of ", a.capacity, " arena bytes free); raise the column's max_bytes or reset()");
-  }
-  if (a.base == nullptr && a.capacity > 0) {
-    a.owned.reset(new (std::nothrow) uint8_t[a.capacity]);
-    a.base = a.owned.get();
-    if (a.base == nullptr) {
-      for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = kEmpty;
-      MSRL_THROW(kOutOfMemory, "column '", spec.name, "': cannot allocate ", a.capacity, " arena bytes");
+  if (spec.ragged) {
+    std::pair<int, int64_t> at;
+    try {
+      at = place_locked(a, spec, total);
+    } catch (...) {
+      for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = before[i];
+      throw;
     }
-  }
-  r.arena_begin = a.top;
-  for (size_t i = 0; i < n; ++i) {
-    int64_t local = rows[i] - row_begin_;
-    if (spec.ragged) {
-      r.dst_offsets[i] = a.top;
-      a.top += r.nbytes[i];
-    } else {
-      r.dst_offsets[i] = local * item;
+    Chunk& c = a.chunks[at.first];
+    r.chunk = at.first;
+    r.arena_begin = at.second;
+    int64_t top = at.second;
+    for (size_t i = 0; i < n; ++i) {
+      r.dst_offsets[i] = (static_cast<int64_t>(at.first) << kChunkShift) | top;
+      top += r.nbytes[i];
     }
+    c.top = top;
+    c.live += total;
+    r.arena_end = top;
+  } else {
+    Chunk& c = a.chunks[0];
+    if (c.base == nullptr && c.capacity > 0) {
+      c.owned.reset(new (std::nothrow) uint8_t[c.capacity]);
+      c.base = c.owned.get();
+      if (c.base == nullptr) {
+        for (size_t i = 0; i < n; ++i) a.state[rows[i] - row_begin_] = before[i];
+        MSRL_THROW(kOutOfMemory, "column '", spec.name, "': cannot allocate ", c.capacity, " arena bytes");
+      }
+    }
+    for (size_t i = 0; i < n; ++i) r.dst_offsets[i] = (rows[i] - row_begin_) * item;
   }
-  r.arena_end = a.top;
-  a.bytes_used += total;
+  for (size_t i = 0; i < n; ++i)
+    if (before[i] == kEmpty) a.bytes_used += r.nbytes[i];
   return r;
 }
 
 void Warehouse::write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets) {
-  uint8_t* base = arenas_[r.column].base;  // set by reserve, stable until destruction
+  uint8_t* base;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // the chunk list may grow meanwhile; the chunk itself stays
+    base = arenas_[r.column].chunks[r.chunk].base;
+  }
   std::vector<Segment> segs;
   segs.reserve(r.rows.size());
   for (size_t i = 0; i < r.rows.size(); ++i) {
     if (r.nbytes[i] > 0)
-      segs.push_back({base + r.dst_offsets[i], src + src_offsets[i], static_cast<size_t>(r.nbytes[i])});
+      segs.push_back({base + in_chunk(r.dst_offsets[i]), src + src_offsets[i], static_cast<size_t>(r.nbytes[i])});
   }
   copy_segments(std::move(segs));
 }
@@ -180,23 +324,31 @@ void Warehouse::write(const Reservation& r, const uint8_t* src, const int64_t* s
 void Warehouse::commit(const Reservation& r) {
   std::lock_guard<std::mutex> lock(mu_);
   Arena& a = arenas_[r.column];
+  const bool ragged = columns_[r.column].ragged;
+  const int64_t item = static_cast<int64_t>(columns_[r.column].item_bytes());
   for (size_t i = 0; i < r.rows.size(); ++i) {
     int64_t local = r.rows[i] - row_begin_;
+    if (a.state[local] == kRewriting) {
+      // The old value's bytes go (ragged: its span; fixed: rewritten in place, same slot).
+      if (ragged) release_bytes_locked(a, a.offset[local], a.length[local] * item);
+      a.bytes_used += (r.lengths[i] - a.length[local]) * item;
+    } else {
+      ++a.rows_written;
+    }
     a.offset[local] = r.dst_offsets[i];
     a.length[local] = r.lengths[i];
     a.state[local] = kWritten;
   }
-  a.rows_written += static_cast<int64_t>(r.rows.size());
 }
 
 std::vector<Reservation> Warehouse::reserve_columns(const std::vector<int>& columns, const int64_t* rows, size_t n,
-                                                    const std::vector<const int64_t*>& lengths) {
+                                                    const std::vector<const int64_t*>& lengths, bool overwrite) {
   MSRL_CHECK(lengths.size() == columns.size(), kInvalidArgument, "reserve: ", lengths.size(), " lengths for ",
              columns.size(), " columns");
   std::vector<Reservation> res;
   res.reserve(columns.size());
   try {
-    for (size_t k = 0; k < columns.size(); ++k) res.push_back(reserve(columns[k], rows, n, lengths[k]));
+    for (size_t k = 0; k < columns.size(); ++k) res.push_back(reserve(columns[k], rows, n, lengths[k], overwrite));
   } catch (...) {
     for (const Reservation& r : res) abort(r);
     throw;
@@ -207,13 +359,21 @@ std::vector<Reservation> Warehouse::reserve_columns(const std::vector<int>& colu
 void Warehouse::abort(const Reservation& r) {
   std::lock_guard<std::mutex> lock(mu_);
   Arena& a = arenas_[r.column];
-  for (int64_t row : r.rows) a.state[row - row_begin_] = kEmpty;
-  // Give the span back when it is still the last one; otherwise it stays unused until reset().
-  if (columns_[r.column].ragged && a.top == r.arena_end) {
-    a.top = r.arena_begin;
-    a.bytes_used -= r.arena_end - r.arena_begin;
-  } else if (!columns_[r.column].ragged) {
-    a.bytes_used -= static_cast<int64_t>(r.rows.size()) * static_cast<int64_t>(columns_[r.column].item_bytes());
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    uint8_t& st = a.state[r.rows[i] - row_begin_];
+    if (st == kRewriting) {
+      st = kWritten;  // the old value stays
+    } else {
+      st = kEmpty;
+      a.bytes_used -= r.nbytes[i];
+    }
+  }
+  if (columns_[r.column].ragged) {
+    Chunk& c = a.chunks[r.chunk];
+    const int64_t span = r.arena_end - r.arena_begin;
+    c.live -= span;
+    if (c.top == r.arena_end) c.top = r.arena_begin;  // the last span: given back at once
+    if (c.live == 0) c.top = 0;
   }
 }
 
@@ -221,16 +381,34 @@ void Warehouse::erase(int column, const int64_t* rows, size_t n) {
   (void)arena(column);
   std::lock_guard<std::mutex> lock(mu_);
   Arena& a = arenas_[column];
+  const int64_t item = static_cast<int64_t>(columns_[column].item_bytes());
   for (size_t i = 0; i < n; ++i) {
     MSRL_CHECK(owns(rows[i]), kInvalidArgument, "erase: row ", rows[i], " is not in warehouse ", id_);
   }
   for (size_t i = 0; i < n; ++i) {
-    uint8_t& s = a.state[rows[i] - row_begin_];
+    MSRL_CHECK(a.state[rows[i] - row_begin_] != kWriting && a.state[rows[i] - row_begin_] != kRewriting,
+               kInvalidArgument, "erase: column '", columns_[column].name, "': row ", rows[i],
+               " is being written by a put in flight; nothing was erased");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t local = rows[i] - row_begin_;
+    uint8_t& s = a.state[local];
     if (s != kWritten) continue;
     s = kEmpty;
     --a.rows_written;
-    a.bytes_used -= a.length[rows[i] - row_begin_] * static_cast<int64_t>(columns_[column].item_bytes());
+    const int64_t nb = a.length[local] * item;
+    a.bytes_used -= nb;
+    if (columns_[column].ragged) release_bytes_locked(a, a.offset[local], nb);
   }
+  if (columns_[column].ragged) free_empty_chunks_locked(a);
+}
+
+bool Warehouse::written(int column, int64_t row) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!owns(row)) return false;
+  const uint8_t st = a.state[row - row_begin_];
+  return st == kWritten || st == kRewriting;
 }
 
 void Warehouse::put(int column, const int64_t* rows, size_t n, const void* src, const int64_t* lengths) {
@@ -249,8 +427,9 @@ void Warehouse::check_rows_readable(const Arena& a, int column, const int64_t* r
   for (size_t i = 0; i < n; ++i) {
     MSRL_CHECK(owns(rows[i]), kInvalidArgument, "column '", columns_[column].name, "': row ", rows[i],
                " is not in warehouse ", id_, " rows [", row_begin_, ", ", row_begin_ + num_rows_, ")");
-    MSRL_CHECK(a.state[rows[i] - row_begin_] == kWritten, kInvalidArgument, "column '", columns_[column].name,
-               "' is not ready for row ", rows[i], " (never put since the last reset)");
+    const uint8_t st = a.state[rows[i] - row_begin_];
+    MSRL_CHECK(st == kWritten || st == kRewriting, kInvalidArgument, "column '", columns_[column].name,
+               "' is not ready for row ", rows[i], " (not put, or erased, since the last reset)");
   }
 }
 
@@ -265,7 +444,9 @@ bool Warehouse::ready(int column, const int64_t* rows, size_t n) const {
   const Arena& a = arena(column);
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) {
-    if (!owns(rows[i]) || a.state[rows[i] - row_begin_] != kWritten) return false;
+    if (!owns(rows[i])) return false;
+    const uint8_t st = a.state[rows[i] - row_begin_];
+    if (st != kWritten && st != kRewriting) return false;
   }
   return true;
 }
@@ -276,7 +457,7 @@ void Warehouse::views(int column, const int64_t* rows, size_t n, const uint8_t**
   check_rows_readable(a, column, rows, n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t local = rows[i] - row_begin_;
-    ptrs[i] = a.base + a.offset[local];
+    ptrs[i] = row_ptr(a, local);
     lengths[i] = a.length[local];
   }
 }
@@ -297,7 +478,7 @@ void Warehouse::gather(int column, const int64_t* rows, size_t n, void* dst, siz
     for (size_t i = 0; i < n; ++i) {
       int64_t local = rows[i] - row_begin_;
       size_t nb = static_cast<size_t>(a.length[local]) * item;
-      if (nb > 0) segs.push_back({out, a.base + a.offset[local], nb});
+      if (nb > 0) segs.push_back({out, row_ptr(a, local), nb});
       out += nb;
     }
   }
@@ -318,7 +499,7 @@ void Warehouse::gather_padded(int column, const int64_t* rows, size_t n, int64_t
       MSRL_CHECK(a.length[local] <= max_items, kInvalidArgument, "column '", columns_[column].name, "': row ", rows[i],
                  " has ", a.length[local], " items, more than the padded width ", max_items);
       size_t nb = static_cast<size_t>(a.length[local]) * item;
-      if (nb > 0) segs.push_back({out + i * row_stride, a.base + a.offset[local], nb});
+      if (nb > 0) segs.push_back({out + i * row_stride, row_ptr(a, local), nb});
       if (nb < row_stride) std::memset(out + i * row_stride + nb, 0, row_stride - nb);  // padding
     }
   }
@@ -330,40 +511,59 @@ void Warehouse::locate(int column, const int64_t* rows, size_t n, int64_t* byte_
   std::lock_guard<std::mutex> lock(mu_);
   check_rows_readable(a, column, rows, n);
   for (size_t i = 0; i < n; ++i) {
-    byte_offsets[i] = a.offset[rows[i] - row_begin_];
+    byte_offsets[i] = in_chunk(a.offset[rows[i] - row_begin_]);  // caller-mapped arenas have one chunk
     lengths[i] = a.length[rows[i] - row_begin_];
   }
 }
 
-int64_t Warehouse::arena_capacity(int column) const { return arena(column).capacity; }
+int64_t Warehouse::arena_capacity(int column) const {
+  const Arena& a = arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  return a.chunks[0].capacity;
+}
 
 ColumnStats Warehouse::column_stats(int column) const {
   const Arena& a = arena(column);
   std::lock_guard<std::mutex> lock(mu_);
-  return ColumnStats{a.rows_written, a.bytes_used, a.capacity};
+  ColumnStats st{a.rows_written, a.bytes_used, 0, 0};
+  for (const Chunk& c : a.chunks) {
+    if (c.base == nullptr && a.external) continue;
+    st.arena_bytes += c.capacity;
+    st.chunks += c.capacity > 0 ? 1 : 0;
+  }
+  return st;
 }
 
 int64_t Warehouse::bytes_held() const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t total = 0;
-  for (const Arena& a : arenas_) total += a.bytes_used;
+  const int n = num_columns();
+  for (int c = 0; c < n; ++c) total += arenas_[c].bytes_used;
   return total;
+}
+
+void Warehouse::check_no_writes_locked() const {
+  const int ncols = num_columns();
+  for (int c = 0; c < ncols; ++c) {
+    for (uint8_t st : arenas_[c].state) {
+      MSRL_CHECK(st != kWriting && st != kRewriting, kInvalidArgument, "warehouse ", id_,
+                 ": reset() while a put to column '", columns_[c].name, "' is in flight");
+    }
+  }
 }
 
 void Warehouse::reset() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (size_t c = 0; c < arenas_.size(); ++c) {
+  const int ncols = num_columns();
+  check_no_writes_locked();
+  for (int c = 0; c < ncols; ++c) {
     Arena& a = arenas_[c];
-    for (uint8_t s : a.state) {
-      MSRL_CHECK(s != kWriting, kInvalidArgument, "warehouse ", id_, ": reset() while a put to column '",
-                 columns_[c].name, "' is in flight");
-    }
-  }
-  for (Arena& a : arenas_) {
     std::fill(a.state.begin(), a.state.end(), kEmpty);
-    a.top = 0;
+    for (Chunk& ch : a.chunks) ch.top = ch.live = 0;
+    a.cur = 0;
     a.rows_written = 0;
     a.bytes_used = 0;
+    free_empty_chunks_locked(a);  // grown chunks go back
   }
 }
 
@@ -375,14 +575,10 @@ void Warehouse::reset(const std::vector<int64_t>& keep_rows) {
                ", ", row_begin_ + num_rows_, ")");
     keep[row - row_begin_] = 1;
   }
-  for (size_t c = 0; c < arenas_.size(); ++c) {
-    for (uint8_t s : arenas_[c].state) {
-      MSRL_CHECK(s != kWriting, kInvalidArgument, "warehouse ", id_, ": reset() while a put to column '",
-                 columns_[c].name, "' is in flight");
-    }
-  }
+  const int ncols = num_columns();
+  check_no_writes_locked();
   // Validated: from here on nothing throws.
-  for (size_t c = 0; c < arenas_.size(); ++c) {
+  for (int c = 0; c < ncols; ++c) {
     Arena& a = arenas_[c];
     const int64_t item = static_cast<int64_t>(columns_[c].item_bytes());
     std::vector<int64_t> kept;  // local rows kept and written
@@ -397,15 +593,22 @@ void Warehouse::reset(const std::vector<int64_t>& keep_rows) {
     a.bytes_used = 0;
     for (int64_t r : kept) a.bytes_used += a.length[r] * item;
     if (!columns_[c].ragged) continue;  // fixed slots do not move
+    // Compacted chunk by chunk: kept rows move to the front of their chunk, in offset order (a move never
+    // overwrites bytes not yet moved).
     std::sort(kept.begin(), kept.end(), [&](int64_t x, int64_t y) { return a.offset[x] < a.offset[y]; });
-    int64_t top = 0;
+    for (Chunk& ch : a.chunks) ch.top = ch.live = 0;
     for (int64_t r : kept) {
+      const int k = chunk_of(a.offset[r]);
+      Chunk& ch = a.chunks[k];
       const int64_t nb = a.length[r] * item;
-      if (nb > 0 && a.offset[r] != top) std::memmove(a.base + top, a.base + a.offset[r], static_cast<size_t>(nb));
-      a.offset[r] = top;
-      top += nb;
+      const int64_t off = in_chunk(a.offset[r]);
+      if (nb > 0 && off != ch.top) std::memmove(ch.base + ch.top, ch.base + off, static_cast<size_t>(nb));
+      a.offset[r] = (static_cast<int64_t>(k) << kChunkShift) | ch.top;
+      ch.top += nb;
+      ch.live += nb;
     }
-    a.top = top;
+    a.cur = 0;
+    free_empty_chunks_locked(a);
   }
 }
 

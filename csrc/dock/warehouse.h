@@ -2,16 +2,23 @@
 //
 // Per column one arena: fixed-shape columns hold one slot per row; ragged columns hold the rows'
 // values packed back to back (bump allocation, no padding) with an offset and a length per row.
-// Bytes are immutable from commit until reset(), so readers copy them without holding the lock.
+// A ragged arena is a list of chunks: the first is the configured arena (or caller-provided memory);
+// when a put does not fit, an owned arena grows by another chunk (at least the configured size) instead
+// of failing, and a chunk whose rows are all erased is reused (the first) or freed (the others), so
+// memory comes back after erase() and reset(). Caller-provided arenas do not grow.
+// Readers copy committed bytes without holding the lock; the owner (DockCore) guarantees no copy is in
+// flight while bytes are freed or rewritten in place (erase, overwrite, reset).
 // A put is reserve -> write -> commit: reserve validates everything (rows in range, not yet
-// written, arena space) and changes nothing when it fails.
+// written unless overwriting, arena space) and changes nothing when it fails.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/thread_pool.h"
@@ -38,6 +45,14 @@ struct ColumnSpec {
   std::vector<int64_t> inner_shape;
   // Ragged columns only: arena bytes per warehouse (0 = capacity rows x max_items items).
   int64_t arena_bytes = 0;
+  // The caller's name of the type when it differs from the stored one (e.g. "object": encoded values
+  // stored as uint8 rows); part of the column's identity for declare_column.
+  std::string label;
+  // Ragged, owned arenas: grow by chunks (at least arena_bytes each) when full; false: arena_bytes is a
+  // stated upper bound.
+  bool growable = false;
+  // false: a name a stage reads, not declared yet (its type comes with its first put: declare_column).
+  bool declared = true;
 
   size_t item_bytes() const;  // bytes of one row (fixed) or of one item along the ragged dim
 };
@@ -49,13 +64,16 @@ struct Reservation {
   std::vector<int64_t> dst_offsets;        // byte offset of each row in the column arena
   std::vector<int64_t> nbytes;             // bytes of each row
   std::vector<int64_t> lengths;            // items per row (ragged) or 1 (fixed)
-  int64_t arena_begin = 0, arena_end = 0;  // ragged: reserved span
+  int64_t arena_begin = 0, arena_end = 0;  // ragged: reserved span (in chunk `chunk`)
+  int chunk = 0;
+  bool overwrite = false;  // rows already written keep their old bytes readable until commit
 };
 
 struct ColumnStats {
   int64_t rows_written = 0;
   int64_t bytes_used = 0;   // bytes of committed + reserved values
-  int64_t arena_bytes = 0;  // reserved arena capacity
+  int64_t arena_bytes = 0;  // reserved arena capacity (all chunks)
+  int64_t chunks = 0;       // ragged: chunks holding memory
 };
 
 // Copies of (dst, src, nbytes) segments: the shared implementation of common/thread_pool.h.
@@ -78,21 +96,35 @@ class Warehouse {
   const std::vector<ColumnSpec>& columns() const { return columns_; }
   int column_index(const std::string& name) const;  // throws NotFound
 
+  static constexpr int kMaxColumns = 1024;
+  int num_columns() const { return ncols_.load(std::memory_order_acquire); }
+  // A column declared at run time (ids are dense: the new one is num_columns()). Thread-safe.
+  int add_column(const ColumnSpec& spec);
+  // Gives an undeclared column (a placeholder nothing was written to) its type.
+  void set_column(int column, const ColumnSpec& spec);
+
   // Validates and reserves space; throws (state unchanged) on a row out of range, a row already
-  // written, a negative length or an arena overflow (OutOfMemory naming column and bytes).
+  // written (unless overwrite: its old bytes stay readable until commit), a negative length or an arena
+  // that cannot grow (OutOfMemory naming column and bytes).
   // lengths: items per row for ragged columns, ignored (may be null) for fixed ones.
-  Reservation reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths);
+  Reservation reserve(int column, const int64_t* rows, size_t n, const int64_t* lengths, bool overwrite = false);
   // The same rows in several columns, all or none: on an error every reservation made is aborted.
   // lengths[k]: items per row of columns[k] (null for a fixed column).
   std::vector<Reservation> reserve_columns(const std::vector<int>& columns, const int64_t* rows, size_t n,
-                                           const std::vector<const int64_t*>& lengths);
+                                           const std::vector<const int64_t*>& lengths, bool overwrite = false);
+  // The largest row a put may store in the column (bytes): the arena for caller-provided memory,
+  // otherwise a bound that growth honours.
+  int64_t max_row_bytes(int column) const;
+  static constexpr int64_t kMaxChunkBytes = int64_t{1} << 40;
   // Copies row i's bytes from src + src_offsets[i]; no lock held (rows are reserved to the caller).
   void write(const Reservation& r, const uint8_t* src, const int64_t* src_offsets);
   void commit(const Reservation& r);  // rows become readable
   void abort(const Reservation& r);   // rows become writable again
-  // Forgets written rows of a column (undoes a committed put whose sibling put failed elsewhere).
-  // Rows not written are ignored; arena space is reclaimed only at reset().
+  // Forgets written rows of a column (erase by key, or undoing a committed put whose sibling failed).
+  // Rows not written are ignored. Their bytes are free at once: a chunk left empty is reused or freed.
   void erase(int column, const int64_t* rows, size_t n);
+  // True when the row's column is written.
+  bool written(int column, int64_t row) const;
   // reserve + write + commit with the source packed in row order.
   void put(int column, const int64_t* rows, size_t n, const void* src, const int64_t* lengths);
 
@@ -125,27 +157,45 @@ class Warehouse {
   void reset(const std::vector<int64_t>& keep_rows);
 
  private:
-  enum : uint8_t { kEmpty = 0, kWriting = 1, kWritten = 2 };
-  struct Arena {
+  // kRewriting: written and readable, an overwrite of it is reserved.
+  enum : uint8_t { kEmpty = 0, kWriting = 1, kWritten = 2, kRewriting = 3 };
+  struct Chunk {
     std::unique_ptr<uint8_t[]> owned;  // allocated lazily: pages are touched only when written
     uint8_t* base = nullptr;           // owned.get() or caller-provided memory (e.g. shared memory)
     int64_t capacity = 0;
-    int64_t top = 0;              // ragged: bump pointer
+    int64_t top = 0;   // bump pointer
+    int64_t live = 0;  // bytes of rows (reserved or written) in this chunk
+  };
+  struct Arena {
+    std::vector<Chunk> chunks;    // fixed columns: one; ragged: grows (offsets carry the chunk index)
+    bool external = false;        // caller-provided memory: no growth
+    int cur = 0;                  // the chunk new spans go to first
     std::vector<uint8_t> state;   // per row
-    std::vector<int64_t> offset;  // per row, bytes
+    std::vector<int64_t> offset;  // per row, bytes: chunk << kChunkShift | offset in the chunk
     std::vector<int64_t> length;  // per row, items
     int64_t rows_written = 0;
     int64_t bytes_used = 0;
   };
+  static constexpr int kChunkShift = 40;
+  static int chunk_of(int64_t off) { return static_cast<int>(off >> kChunkShift); }
+  static int64_t in_chunk(int64_t off) { return off & ((int64_t{1} << kChunkShift) - 1); }
+  const uint8_t* row_ptr(const Arena& a, int64_t local) const;
   const Arena& arena(int column) const;
   void check_rows_readable(const Arena& a, int column, const int64_t* rows, size_t n) const;
+  void init_arena(Arena& a, const ColumnSpec& spec, uint8_t* external);
+  // Finds room for `total` bytes (mu_ held): a chunk index and the span's start; grows when allowed.
+  std::pair<int, int64_t> place_locked(Arena& a, const ColumnSpec& spec, int64_t total);
+  void release_bytes_locked(Arena& a, int64_t off, int64_t nbytes);  // frees a row's span
+  void free_empty_chunks_locked(Arena& a);
+  void check_no_writes_locked() const;  // reset: InvalidArgument while a put is in flight
 
   int id_;
   int64_t row_begin_;
   int64_t num_rows_;
-  std::vector<ColumnSpec> columns_;
+  std::vector<ColumnSpec> columns_;  // reserved to kMaxColumns: never reallocated (readers index it)
+  std::atomic<int> ncols_{0};
   mutable std::mutex mu_;
-  std::vector<Arena> arenas_;
+  std::vector<Arena> arenas_;  // reserved to kMaxColumns
 };
 
 }  // namespace msrl::dock

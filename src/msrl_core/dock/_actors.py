@@ -243,7 +243,7 @@ class ControllerActor:
 def _arena_sizes(columns: list[tuple], num_rows: int) -> list[int]:
     """Bytes of each column arena, as the native Warehouse computes them."""
     sizes = []
-    for _name, dtype, ragged, shape, arena_bytes in columns:
+    for _name, dtype, ragged, shape, arena_bytes, *_rest in columns:
         item = _STORAGE[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
         sizes.append(int(arena_bytes) if ragged else num_rows * item)
     return sizes

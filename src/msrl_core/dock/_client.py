@@ -28,7 +28,7 @@ from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
-from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable
+from msrl_core.errors import Closed, InvalidArgument, MsrlError, Timeout, Unavailable, Unsupported
 
 try:
     import ray
@@ -592,6 +592,105 @@ class RayBackend:
     def close(self) -> None:
         with contextlib.suppress(Unavailable, Timeout, Closed):
             self._get(self.controller.call.remote("close"), "controller")
+
+    # -- the keyed store: the controller's native DockCore keeps keys, tags, partitions --
+
+    def _keyed(self, what: str) -> Any:
+        raise Unsupported(f"{what} is not built for backend='ray' yet (next commit): use backend='local'")
+
+    def partition(self, name: str, create: bool) -> int:
+        return self._keyed("partitions")
+
+    def partition_names(self) -> list[str]:
+        return []
+
+    def column_info(self, name: str) -> tuple | None:
+        return None
+
+    def declare_column(self, name: str, col: Column) -> int:
+        return self._keyed("run-time columns")
+
+    def put_keys(
+        self, p: int, keys: list, inputs: list[tuple], overwrite: bool, tags: list | None, versions: list[int]
+    ) -> np.ndarray:
+        return self._keyed("put by keys")
+
+    def put_in(
+        self,
+        p: int,
+        inputs: list[tuple],
+        rows: np.ndarray,
+        epoch: int = -1,
+        stage: int = -1,
+        claim_id: int = 0,
+    ) -> None:
+        self._keyed("partitions")
+
+    def rows_of(self, p: int, keys: list) -> np.ndarray:
+        return self._keyed("keys")
+
+    def keys_of(self, p: int, rows: np.ndarray) -> list:
+        return self._keyed("keys")
+
+    def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
+        return self._keyed("keys")
+
+    def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
+        return self._keyed("keys")
+
+    def tag(self, p: int, keys: list, tags: list) -> None:
+        self._keyed("tags")
+
+    def erase_keys(self, p: int, keys: list) -> None:
+        self._keyed("erase")
+
+    def erase_rows(self, p: int, rows: np.ndarray) -> None:
+        self._keyed("erase")
+
+    def clear(self, p: int) -> None:
+        self._keyed("clear")
+
+    def drop_partition(self, p: int) -> None:
+        self._keyed("partitions")
+
+    def claim_in(
+        self,
+        p: int,
+        stage: int,
+        max_rows: int,
+        min_rows: int,
+        timeout: float,
+        max_items: int,
+        min_version: int,
+    ) -> tuple[np.ndarray, int, int]:
+        return self._keyed("partition claims")
+
+    def claim_dp(
+        self,
+        p: int,
+        stage: int,
+        rnd: str,
+        dp_rank: int,
+        dp_size: int,
+        ranks: int,
+        max_rows: int,
+        min_rows: int,
+        timeout: float,
+        min_version: int,
+    ) -> tuple[np.ndarray, int, int]:
+        return self._keyed("DP claims")
+
+    def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._keyed("partition claims")
+
+    def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._keyed("partition claims")
+
+    def progress_in(self, p: int, stage: int) -> dict:
+        return self._keyed("partitions")
+
+    def column_stats(self, cid: int) -> list[dict]:
+        return self._keyed("column_stats")
 
     def shutdown(self) -> None:
         """Kills the actors of this dock."""

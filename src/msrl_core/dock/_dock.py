@@ -12,8 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from msrl_core.dock import _objects
 from msrl_core.dock._backend import Backend
 from msrl_core.dock._device import check_device_output, device_io
+from msrl_core.dock._jagged import ragged_output
+from msrl_core.dock._keyed import KeyedMixin, _keys_list
 from msrl_core.dock._types import (
     MAX_WAIT_S,
     Batch,
@@ -25,18 +28,20 @@ from msrl_core.dock._types import (
     claim_id_of,
     epoch_of,
     is_tensordict,
+    partition_of,
     rows_array,
     stage_of,
     tensordict_cls,
-    tensordict_to_put,
     to_output,
-    to_put_input,
     to_tensordict,
 )
 from msrl_core.errors import InvalidArgument, MsrlError, NotFound, Unsupported
 
-_LAYOUTS = ("packed", "padded")
+_LAYOUTS = ("packed", "padded", "nested")
 _OUTPUTS = ("numpy", "torch", "tensordict")
+
+
+_NO_VERSION = -(2**63)  # claims without a max_staleness filter
 
 
 class _Latencies:
@@ -75,7 +80,7 @@ def _make_backend(
     raise InvalidArgument(f"backend must be 'local' or 'ray', got {backend!r}")
 
 
-class Dock:
+class Dock(KeyedMixin):
     """Distributed transfer dock: warehouses hold the bytes, one controller per stage holds readiness.
 
     >>> dock = Dock(columns={"prompts": Column("int64", ragged=True), "rewards": Column("float32")},
@@ -98,31 +103,26 @@ class Dock:
 
     def __init__(
         self,
-        columns: Mapping[str, Column],
-        stages: Mapping[str, Sequence[str]],
-        capacity: int,
+        columns: Mapping[str, Column] | None = None,
+        stages: Mapping[str, Sequence[str]] | None = None,
+        capacity: int = 0,
         group_size: int = 1,
         warehouses: int | None = None,
         backend: str = "local",
         output: str = "numpy",
         balance_by: str | None = None,
+        object_codec: _objects.ObjectCodec | None = None,
         **backend_options: Any,
     ):
-        if not columns:
-            raise InvalidArgument("a dock needs at least one column")
-        if not stages:
-            raise InvalidArgument("a dock needs at least one stage")
+        columns = dict(columns or {})
+        stages = dict(stages or {})
         for name, col in columns.items():
             if not isinstance(col, Column):
                 raise InvalidArgument(f"column '{name}' must be a msrl_core.Column, got {type(col).__name__}")
         for stage, cols in stages.items():
             if isinstance(cols, str) or not cols:
                 raise InvalidArgument(f"stage '{stage}' must list the columns it reads, got {cols!r}")
-            for c in cols:
-                if c not in columns:
-                    raise NotFound(
-                        f"stage '{stage}' reads unknown column '{c}'; columns are: {', '.join(columns)}"
-                    )
+            # A name that is not a column yet is declared at run time, by its first put.
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
         if output == "tensordict":
@@ -138,6 +138,8 @@ class Dock:
             )
         self.columns: dict[str, Column] = dict(columns)
         self.stages: dict[str, list[str]] = {s: list(c) for s, c in stages.items()}
+        self.object_codec = object_codec  # None: object columns hold safe types only, never unpickled
+        self._init_keyed()
         self.capacity = capacity
         self.group_size = group_size
         self.output = output
@@ -154,10 +156,7 @@ class Dock:
     # ---- names -----------------------------------------------------------------------------
 
     def _cid(self, name: str) -> int:
-        try:
-            return self._column_ids[name]
-        except KeyError:
-            raise NotFound(f"unknown column '{name}'; columns are: {', '.join(self.columns)}") from None
+        return self._column(name)[0]
 
     def _sid(self, stage: str) -> int:
         try:
@@ -170,29 +169,52 @@ class Dock:
 
     # ---- data plane ------------------------------------------------------------------------
 
-    def put(self, data: Mapping[str, Any], rows: Any = None) -> np.ndarray:
-        """Writes columns. Without ``rows`` it allocates new rows (whole groups) and returns their ids;
-        with ``rows`` (ids, a Claim or a Batch) it writes into those allocated rows. All columns land or
-        none: on any error the dock is unchanged. Readiness is published after the bytes are stored.
-        A put with a Claim (or a Batch from ``take``) also *completes* that claim for its stage: see
-        ``reset(keep_unfinished=True)``."""
+    def put(
+        self,
+        data: Mapping[str, Any],
+        rows: Any = None,
+        *,
+        partition: str | None = None,
+        keys: Any = None,
+        overwrite: bool = False,
+        tags: Any = None,
+        version: Any = None,
+    ) -> np.ndarray:
+        """Writes columns; returns the row ids written (in data order). All columns land or none: on
+        any error the dock is unchanged. Readiness is published after the bytes are stored.
+
+        Row ids (the default partition): without ``rows`` it allocates new rows (whole groups); with
+        ``rows`` (ids, a Claim or a Batch) it writes into those allocated rows. A put with a Claim (or a
+        Batch from ``take``) also *completes* that claim for its stage: see ``reset(keep_unfinished=True)``.
+
+        Keys (``keys=[...]`` with ``partition=``): a new key gets a row (new keys of one put fill whole
+        groups), an existing key's row gets this put's columns (fields added at any time). A cell already
+        written is rewritten only with ``overwrite=True`` (readiness and claims stay; see docs/dock.md).
+        ``tags``: one dict or one per key, upserted; ``version``: the rows' policy version (an int or one
+        per key) for ``claim(max_staleness=...)``. A column not declared yet is declared by this put from
+        its values (dtype, inner shape, ragged or not; a list of other values: an object column)."""
         t0 = time.perf_counter()
+        if keys is not None:
+            if partition is None:
+                raise InvalidArgument("put(keys=...) needs partition= (keys live in a named partition)")
+            if rows is not None:
+                raise InvalidArgument("put takes keys= or rows=, not both")
+            out = self._put_keys(data, partition, keys, overwrite, tags, version)
+            self._record("put", t0)
+            return out
+        if overwrite or tags is not None or version is not None:
+            raise InvalidArgument("overwrite=, tags= and version= need keys= (and partition=)")
         if is_tensordict(data):
-            data = tensordict_to_put(data, self.columns)
+            from msrl_core.dock._jagged import tensordict_to_columns
+
+            data = tensordict_to_columns(data)
         if not isinstance(data, Mapping) or not data:
             raise InvalidArgument("put takes a non-empty mapping of column name -> values")
-        inputs = []
-        n = None
-        for name, value in data.items():
-            cid = self._cid(name)
-            vals, lengths, count = to_put_input(name, self.columns[name], value)
-            if n is None:
-                n = count
-            elif count != n:
-                raise InvalidArgument(f"column '{name}' has {count} rows, other columns of this put have {n}")
-            inputs.append((cid, vals, lengths))
+        inputs, n = self._inputs(data)
         assert n is not None
         if rows is None:
+            if partition is not None:
+                raise InvalidArgument("a put into a named partition needs keys= (or rows= from its claims)")
             if n == 0 or n % self.group_size:
                 raise InvalidArgument(
                     f"a put of new rows must hold whole groups of {self.group_size} rows, got {n} rows"
@@ -204,11 +226,23 @@ class Dock:
                 raise InvalidArgument(f"put of {n} rows of data into {len(out)} rows")
             if n == 0:
                 raise InvalidArgument("put needs at least one row")
+            part = self._partition_arg(rows, partition)
             stage = stage_of(rows)
             sid = -1 if stage is None else self._sid(stage)
-            self._backend.put(inputs, out, epoch_of(rows), sid, claim_id_of(rows))
+            if part is None:
+                self._backend.put(inputs, out, epoch_of(rows), sid, claim_id_of(rows))
+            else:
+                self._backend.put_in(self._pid(part), inputs, out, epoch_of(rows), sid, claim_id_of(rows))
         self._record("put", t0)
         return out
+
+    @staticmethod
+    def _partition_arg(meta: Any, partition: str | None) -> str | None:
+        """The partition of a call with a Claim/Batch and an optional partition= (they must agree)."""
+        got = partition_of(meta)
+        if partition is not None and got is not None and got != partition:
+            raise InvalidArgument(f"the claim is of partition {got!r}, not {partition!r}")
+        return got if got is not None else partition
 
     def claim(
         self,
@@ -217,8 +251,23 @@ class Dock:
         timeout: float = 0.0,
         min_rows: int | None = None,
         max_items: int | None = None,
+        *,
+        partition: str | None = None,
+        max_staleness: int | None = None,
+        version: int | None = None,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        batch: Any = None,
+        ranks_per_replica: int = 1,
     ) -> Claim:
         """Claims up to ``max_rows`` ready rows of ``stage`` (whole groups; metadata only).
+
+        ``partition``: only that partition's rows (each partition has its own claims per stage).
+        ``max_staleness=s, version=v``: only groups whose rows' policy version is ``>= v - s`` (older ones
+        are skipped and stay). DP-aware (``dp_size=D, dp_rank=r, batch=b``): the round ``b``'s first call
+        claims up to ``D * max_rows`` rows and splits them into D token-balanced shares (by
+        ``balance_by``, else rows); every call of the round with ``dp_rank=r`` — the ``ranks_per_replica``
+        TP/PP ranks of replica r — gets share r; replicas never share a row.
 
         Waits up to ``timeout`` seconds until at least ``min_rows`` (default: one group) are ready;
         ``timeout=0`` never waits and may return an empty claim. Raises ``Timeout`` when fewer than an
@@ -243,9 +292,44 @@ class Dock:
             if int(max_items) <= 0:
                 raise InvalidArgument(f"max_items must be > 0, got {max_items}")
             items = int(max_items)
-        rows, epoch, claim_id = self._backend.claim(sid, int(max_rows), int(min_rows), float(timeout), items)
+        min_version = _NO_VERSION
+        if max_staleness is not None or version is not None:
+            if max_staleness is None or version is None or int(max_staleness) < 0:
+                raise InvalidArgument(
+                    f"max_staleness (>= 0) and version go together, got max_staleness={max_staleness!r}, "
+                    f"version={version!r}"
+                )
+            min_version = int(version) - int(max_staleness)
+        plain = partition is None and min_version == _NO_VERSION and dp_size is None
+        if plain:
+            rows, epoch, claim_id = self._backend.claim(
+                sid, int(max_rows), int(min_rows), float(timeout), items
+            )
+        elif dp_size is not None or dp_rank is not None or batch is not None:
+            if dp_size is None or dp_rank is None or batch is None:
+                raise InvalidArgument("a DP claim needs dp_size=, dp_rank= and batch= together")
+            if items:
+                raise InvalidArgument("a DP claim balances by balance_by itself: max_items does not apply")
+            p = self._pid(partition)
+            rows, epoch, claim_id = self._backend.claim_dp(
+                p,
+                sid,
+                f"{type(batch).__name__}:{batch}",
+                int(dp_rank),
+                int(dp_size),
+                int(ranks_per_replica),
+                int(max_rows),
+                int(min_rows),
+                float(timeout),
+                min_version,
+            )
+        else:
+            p = self._pid(partition)
+            rows, epoch, claim_id = self._backend.claim_in(
+                p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version
+            )
         self._record("claim", t0)
-        return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id)
+        return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id, partition)
 
     def release(self, meta: Claim | Batch) -> None:
         """Gives claimed rows back to their stage (e.g. a worker failed); they can be claimed again.
@@ -254,7 +338,13 @@ class Dock:
         stage = stage_of(meta)
         if stage is None:
             raise InvalidArgument("release() takes the Claim (or the Batch of take()) to release")
-        self._backend.release(self._sid(stage), meta.rows, epoch_of(meta), claim_id_of(meta))
+        part = partition_of(meta)
+        if part is None:
+            self._backend.release(self._sid(stage), meta.rows, epoch_of(meta), claim_id_of(meta))
+        else:
+            self._backend.release_in(
+                self._pid(part), self._sid(stage), meta.rows, epoch_of(meta), claim_id_of(meta)
+            )
 
     def complete(self, meta: Claim | Batch) -> None:
         """Marks a claim as done by its stage without putting anything (a stage that writes no columns,
@@ -264,7 +354,13 @@ class Dock:
         if stage is None:
             raise InvalidArgument("complete() takes the Claim (or the Batch of take()) to complete")
         rows = rows_array(meta, self.capacity)
-        self._backend.complete(self._sid(stage), rows, epoch_of(meta), claim_id_of(meta))
+        part = partition_of(meta)
+        if part is None:
+            self._backend.complete(self._sid(stage), rows, epoch_of(meta), claim_id_of(meta))
+        else:
+            self._backend.complete_in(
+                self._pid(part), self._sid(stage), rows, epoch_of(meta), claim_id_of(meta)
+            )
 
     def fetch(
         self,
@@ -294,18 +390,24 @@ class Dock:
         t0 = time.perf_counter()
         columns, layout, output = self._fetch_args(meta, columns, layout, output, copy, device)
         as_td = output == "tensordict"
+        nested_td = as_td and layout == "nested"
+        store_layout = "padded" if layout == "padded" else "packed"
         rows = rows_array(meta, self.capacity)
         cids = [self._column_ids[c] for c in columns]
         data: dict[str, Any] = {}
         specs = [(cid, self.columns[c]) for c, cid in zip(columns, cids)]
+        specs = [(cid, Column("uint8", ragged=True) if col.is_object else col) for cid, col in specs]
         views: set[str] = set()
         if copy or len(rows) == 0:
-            got = self._backend.fetch_many(specs, rows, layout, epoch_of(meta))
+            got = self._backend.fetch_many(specs, rows, store_layout, epoch_of(meta))
         else:
             got = self._backend.fetch_views(specs, rows, epoch_of(meta))
             views = {name for name, g in zip(columns, got) if g[2]}
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
+            if col.is_object:  # decoded here, in the reading client only
+                data[name] = _objects.decode(arr, lengths, name, self.object_codec)
+                continue
             val = to_output(arr, col, "torch" if as_td else output, share=name in views)
             if device is not None:
                 val = device_io().to_device(val, device)
@@ -313,12 +415,28 @@ class Dock:
                 data[name] = val
             elif layout == "padded":
                 data[name] = Padded(val, lengths)
+            elif layout == "nested" and not as_td:
+                data[name] = ragged_output(val, lengths, "nested")
+            elif nested_td:
+                data[name] = Ragged.from_lengths(val, lengths)
             else:
                 data[name] = Ragged.from_lengths(val, lengths)
         self._record("fetch", t0)
         if as_td:
+            if any(self.columns[c].is_object for c in columns) or nested_td:
+                from msrl_core.dock._jagged import columns_to_tensordict
+
+                return columns_to_tensordict(data, len(rows), ragged="nested" if nested_td else "padded")
             return to_tensordict(data, len(rows))
-        return Batch(rows, data, epoch_of(meta), stage_of(meta), frozenset(views), claim_id_of(meta))
+        return Batch(
+            rows,
+            data,
+            epoch_of(meta),
+            stage_of(meta),
+            frozenset(views),
+            claim_id_of(meta),
+            partition_of(meta),
+        )
 
     def _fetch_args(
         self, meta: Any, columns: Any, layout: str, output: str | None, copy: bool, device: Any
@@ -330,6 +448,10 @@ class Dock:
         if output not in _OUTPUTS:
             raise InvalidArgument(f"output must be one of {_OUTPUTS}, got {output!r}")
         check_device_output(device, output, copy)
+        if layout == "nested" and output == "numpy":
+            raise InvalidArgument(
+                "layout='nested' returns torch NestedTensors: use output='torch' or 'tensordict'"
+            )
         if not copy:
             if not self._backend.views:
                 raise Unsupported(
@@ -348,11 +470,11 @@ class Dock:
             columns = self.stages[stage]
         columns = [columns] if isinstance(columns, str) else list(columns)
         for c in columns:
-            self._cid(c)
+            self._column(c)
         if output == "tensordict":
             tensordict_cls()  # InvalidArgument before any work when tensordict is missing
             check_tensordict_keys(columns, self.columns)
-            layout = "padded"
+            layout = "nested" if layout == "nested" else "padded"
         return columns, layout, output
 
     def take(
@@ -427,22 +549,65 @@ class Dock:
         if not self._backend.picklable:
             raise InvalidArgument("only a backend='ray' dock can be pickled (local docks stay in-process)")
         state = dict(self.__dict__)
-        del state["_lat_lock"], state["_lat"]
+        del state["_lat_lock"], state["_lat"], state["_cols_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lat = {op: _Latencies() for op in ("put", "claim", "fetch")}
         self._lat_lock = threading.Lock()
+        self._init_keyed()
+
+    def get(
+        self,
+        keys: Any,
+        columns: Sequence[str] | str | None = None,
+        *,
+        partition: str,
+        layout: str = "packed",
+        output: str | None = None,
+    ) -> Any:
+        """Reads columns of keys (in key order), without claiming: every cell must be written
+        (InvalidArgument naming the key and column otherwise); unknown key: NotFound. ``columns`` None:
+        every column written for all of the keys. Returns a Batch (``batch.row_keys``) or a TensorDict."""
+        keys = _keys_list(keys)
+        p = self._pid(partition)
+        rows = self._backend.rows_of(p, keys)
+        if columns is None:
+            names = list(self.columns)
+            w = self._backend.written(p, keys, [self._column_ids[c] for c in names]) if keys else None
+            columns = [c for j, c in enumerate(names) if w is not None and w[:, j].all()]
+        cols = [columns] if isinstance(columns, str) else list(columns)
+        cids = [self._column(c)[0] for c in cols]
+        if keys and cols:
+            w = self._backend.written(p, keys, cids)
+            if not w.all():
+                i, j = map(int, np.argwhere(~w)[0])
+                raise InvalidArgument(
+                    f"key {keys[i]!r} of partition '{partition}' has no column '{cols[j]}' written "
+                    "(put it first)"
+                )
+        got = self.fetch(rows, cols, layout=layout, output=output)
+        if isinstance(got, Batch):
+            got.row_keys = keys
+            got.partition = partition
+        return got
 
     # ---- introspection ---------------------------------------------------------------------
 
     def warehouse_of(self, rows: Any) -> np.ndarray:
         return self._backend.warehouse_of(rows_array(rows, self.capacity))
 
-    def progress(self) -> dict[str, dict[str, int]]:
+    def progress(self, partition: str | None = None) -> dict[str, dict[str, int]]:
         """Per stage: rows ready and unclaimed, rows consumed this iteration, claims blocked now."""
+        if partition is not None:
+            p = self._pid(partition)
+            return {s: self._backend.progress_in(p, i) for s, i in self._stage_ids.items()}
         return {s: self._backend.progress(i) for s, i in self._stage_ids.items()}
+
+    def column_stats(self, column: str) -> list[dict[str, int]]:
+        """Per warehouse: rows written, value bytes, arena bytes held and arena chunks of a column."""
+        return self._backend.column_stats(self._column(column)[0])
 
     def stats(self) -> dict[str, Any]:
         """Sizes, per-stage progress, operation latencies and per-warehouse state: ``warehouse_bytes``

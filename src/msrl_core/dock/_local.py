@@ -10,11 +10,21 @@ from msrl_core import _core
 from msrl_core.dock._types import Column
 
 
+def column_tuple(name: str, c: Column, rows_per_warehouse: int) -> tuple:
+    """(name, native dtype, ragged, inner shape, arena bytes per warehouse, growable) for the native core."""
+    return (
+        name,
+        c.native_dtype,
+        c.ragged,
+        list(c.shape),
+        c.arena_bytes(rows_per_warehouse),
+        c.max_bytes is None,
+        c.dtype,
+    )
+
+
 def column_tuples(columns: dict[str, Column], rows_per_warehouse: int) -> list[tuple]:
-    return [
-        (name, c.dtype, c.ragged, list(c.shape), c.arena_bytes(rows_per_warehouse))
-        for name, c in columns.items()
-    ]
+    return [column_tuple(name, c, rows_per_warehouse) for name, c in columns.items()]
 
 
 class LocalBackend:
@@ -42,6 +52,105 @@ class LocalBackend:
             warehouses,
         )
         self.num_warehouses = warehouses
+        self.rows_per_warehouse = rows_per_wh
+
+    # ---- the keyed store (partition ids from partition(); keys str | int) ----
+
+    def partition(self, name: str, create: bool) -> int:
+        return self._core.partition(name, create)
+
+    def partition_names(self) -> list[str]:
+        return self._core.partition_names()
+
+    def declare_column(self, name: str, col: Column) -> int:
+        return self._core.declare_column(column_tuple(name, col, self.rows_per_warehouse))
+
+    def column_info(self, name: str) -> tuple | None:
+        return self._core.column_info(name)
+
+    def put_keys(
+        self, p: int, keys: list, inputs: list[tuple], overwrite: bool, tags: list | None, versions: list[int]
+    ) -> np.ndarray:
+        return self._core.put_keys(p, keys, inputs, overwrite, tags, versions)
+
+    def put_in(
+        self,
+        p: int,
+        inputs: list[tuple],
+        rows: np.ndarray,
+        epoch: int = -1,
+        stage: int = -1,
+        claim_id: int = 0,
+    ) -> None:
+        self._core.put_in(p, inputs, rows, epoch, stage, claim_id)
+
+    def rows_of(self, p: int, keys: list) -> np.ndarray:
+        return self._core.rows_of(p, keys)
+
+    def keys_of(self, p: int, rows: np.ndarray) -> list:
+        return self._core.keys_of(p, rows)
+
+    def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
+        return self._core.list_keys(p)
+
+    def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
+        return self._core.written(p, keys, cids)
+
+    def tag(self, p: int, keys: list, tags: list) -> None:
+        self._core.tag(p, keys, tags)
+
+    def erase_keys(self, p: int, keys: list) -> None:
+        self._core.erase_keys(p, keys)
+
+    def erase_rows(self, p: int, rows: np.ndarray) -> None:
+        self._core.erase_rows(p, rows)
+
+    def clear(self, p: int) -> None:
+        self._core.clear(p)
+
+    def drop_partition(self, p: int) -> None:
+        self._core.drop_partition(p)
+
+    def claim_in(
+        self,
+        p: int,
+        stage: int,
+        max_rows: int,
+        min_rows: int,
+        timeout: float,
+        max_items: int,
+        min_version: int,
+    ) -> tuple[np.ndarray, int, int]:
+        return self._core.claim_in(p, stage, max_rows, min_rows, timeout, max_items, min_version)
+
+    def claim_dp(
+        self,
+        p: int,
+        stage: int,
+        rnd: str,
+        dp_rank: int,
+        dp_size: int,
+        ranks: int,
+        max_rows: int,
+        min_rows: int,
+        timeout: float,
+        min_version: int,
+    ) -> tuple[np.ndarray, int, int]:
+        return self._core.claim_dp(
+            p, stage, rnd, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, min_version
+        )
+
+    def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._core.release_in(p, stage, rows, epoch, claim_id)
+
+    def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
+        self._core.complete_in(p, stage, rows, epoch, claim_id)
+
+    def progress_in(self, p: int, stage: int) -> dict:
+        return self._core.progress(stage, p)
+
+    def column_stats(self, cid: int) -> list[dict]:
+        return self._core.column_stats(cid)
 
     def put_new(self, inputs: list[tuple], n: int) -> np.ndarray:
         return self._core.put_new(inputs, n)

@@ -48,8 +48,13 @@ def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
 
 
+OBJECT = "object"  # an object column: any value per row, encoded by the writer (dock._objects)
+
+
 def normalize_dtype(dtype: Any) -> str:
     """'float32', np.float32, np.dtype('float32') or torch.float32 -> 'float32'."""
+    if dtype is object or dtype == OBJECT:
+        return OBJECT
     if isinstance(dtype, str):
         name = dtype
     elif type(dtype).__module__.startswith("torch"):
@@ -60,7 +65,7 @@ def normalize_dtype(dtype: Any) -> str:
         except TypeError:
             name = str(dtype)
     if name not in DTYPES:
-        raise InvalidArgument(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        raise InvalidArgument(f"unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}, object")
     return name
 
 
@@ -68,7 +73,8 @@ def normalize_dtype(dtype: Any) -> str:
 class Column:
     """A named field of the dock.
 
-    ``dtype``: one of bool, uint8, int32, int64, float16, bfloat16, float32 (or the numpy/torch dtype).
+    ``dtype``: one of bool, uint8, int32, int64, float16, bfloat16, float32 (or the numpy/torch dtype),
+    or ``"object"``: any Python value per row, encoded by the writing client, decoded by readers.
     ``shape``: per-row shape of a fixed column, e.g. ``()`` for a scalar per row; for a ragged column
     the shape after the ragged first dimension (``()`` for token ids).
     ``ragged``: rows have their own length along the first dimension (stored packed, no padding).
@@ -84,6 +90,10 @@ class Column:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.dtype == OBJECT:  # stored as ragged bytes, one encoded value per row
+            if self.shape:
+                raise InvalidArgument(f"an object column has no shape, got {self.shape}")
+            object.__setattr__(self, "ragged", True)
         shape = tuple(int(d) for d in self.shape)
         if any(d <= 0 for d in shape):
             raise InvalidArgument(f"Column shape dims must be > 0, got {self.shape}")
@@ -94,8 +104,17 @@ class Column:
             raise InvalidArgument(f"Column max_bytes must be > 0, got {self.max_bytes}")
 
     @property
+    def is_object(self) -> bool:
+        return self.dtype == OBJECT
+
+    @property
+    def native_dtype(self) -> str:
+        """The dtype the native store holds: uint8 bytes for an object column."""
+        return "uint8" if self.dtype == OBJECT else self.dtype
+
+    @property
     def storage_dtype(self) -> np.dtype:
-        return _STORAGE[self.dtype]
+        return _STORAGE[self.native_dtype]
 
     @property
     def item_bytes(self) -> int:
@@ -172,13 +191,29 @@ class Claim:
     _warehouse_of: Any = field(default=None, repr=False, compare=False)
     epoch: int = -1  # the iteration (resets so far) the rows belong to; -1 = unchecked
     claim_id: int = 0  # the claim's identity: release and put check it still holds the rows; 0 = unchecked
+    partition: str | None = None  # the partition claimed in (None: the default partition)
 
     @classmethod
-    def _new(cls, stage: str, rows: np.ndarray, warehouse_of: Any, epoch: int, claim_id: int) -> Claim:
+    def _new(
+        cls,
+        stage: str,
+        rows: np.ndarray,
+        warehouse_of: Any,
+        epoch: int,
+        claim_id: int,
+        partition: str | None = None,
+    ) -> Claim:
         """The claim hot path: one dict update instead of the frozen __init__'s setattr per field."""
         obj = object.__new__(cls)
         d = obj.__dict__
-        d.update(stage=stage, rows=rows, _warehouse_of=warehouse_of, epoch=epoch, claim_id=claim_id)
+        d.update(
+            stage=stage,
+            rows=rows,
+            _warehouse_of=warehouse_of,
+            epoch=epoch,
+            claim_id=claim_id,
+            partition=partition,
+        )
         return obj
 
     def __len__(self) -> int:
@@ -201,8 +236,12 @@ class Batch(Mapping):
         stage: str | None = None,
         views: frozenset[str] = frozenset(),
         claim_id: int = 0,
+        partition: str | None = None,
+        row_keys: list[Any] | None = None,
     ):
         self.rows = rows
+        self.partition = partition  # the partition of the rows (None: the default partition)
+        self.row_keys = row_keys  # the rows' keys when fetched by key (get), else None
         self.claim_id = claim_id  # the Claim's identity when fetched with one (take), else 0
         self._data = data
         self.epoch = epoch
@@ -252,6 +291,55 @@ def claim_id_of(rows: Any) -> int:
 def stage_of(rows: Any) -> str | None:
     """The claiming stage of a Claim (or of a Batch fetched with one); None for plain row ids."""
     return rows.stage if isinstance(rows, (Claim, Batch)) else None
+
+
+def partition_of(rows: Any) -> str | None:
+    """The partition of a Claim/Batch; None for plain row ids (and for the default partition)."""
+    return rows.partition if isinstance(rows, (Claim, Batch)) else None
+
+
+def infer_column(name: str, value: Any) -> Column:
+    """The Column a run-time column's first put declares: a dense ``[n, *shape]`` array or tensor is a
+    fixed column; a ``Ragged`` / ``(values, offsets)`` / list of per-row arrays is ragged (inner shape
+    from its rows); a list of other Python values is an object column."""
+    if isinstance(value, Ragged):
+        v = value.values
+        return Column(_dtype_name(v, name), shape=tuple(v.shape[1:]), ragged=True)
+    if is_torch_tensor(value) or isinstance(value, np.ndarray):
+        if getattr(value, "is_nested", False):
+            raise InvalidArgument(
+                f"column '{name}': a nested tensor is converted by the dock's jagged support; pass a Ragged "
+                "or a list of rows"
+            )
+        if value.ndim < 1:
+            raise InvalidArgument(f"column '{name}': a put needs one value per row, got a 0-d value")
+        if isinstance(value, np.ndarray) and value.dtype == object:
+            return Column("object")
+        return Column(_dtype_name(value, name), shape=tuple(value.shape[1:]))
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise InvalidArgument(f"column '{name}': cannot declare a column from an empty list")
+        first = value[0]
+        if is_torch_tensor(first) or isinstance(first, np.ndarray):
+            if first.ndim < 1:
+                return Column(_dtype_name(first, name))  # a list of 0-d tensors: one scalar per row
+            return Column(_dtype_name(first, name), shape=tuple(first.shape[1:]), ragged=True)
+        if all(isinstance(v, (bool, int, float)) for v in value) and not any(
+            isinstance(v, bool) for v in value
+        ):
+            return Column("float32" if any(isinstance(v, float) for v in value) else "int64")
+        return Column("object")
+    raise InvalidArgument(
+        f"column '{name}' is not declared and its type cannot be inferred from {type(value).__name__}: "
+        "declare it with Column(...) or pass an array, a list of per-row arrays or a list of objects"
+    )
+
+
+def _dtype_name(x: Any, name: str) -> str:
+    try:
+        return normalize_dtype(x.dtype)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"column '{name}': {e}") from None
 
 
 def rows_array(rows: Any, capacity: int) -> np.ndarray:

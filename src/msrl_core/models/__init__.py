@@ -14,6 +14,7 @@ from msrl_core.models.checkpoint import (
 )
 from msrl_core.models.config import ModelConfig, hf_config, hf_model_class
 from msrl_core.models.megatron import build_gpt, init_model_parallel, megatron_groups, transformer_config
+from msrl_core.models.pipeline import finish_grads, grad_norm, pipeline_forward
 
 __all__ = [
     "CheckpointError",
@@ -22,11 +23,14 @@ __all__ = [
     "SafetensorsCheckpoint",
     "ShardLayout",
     "build_gpt",
+    "finish_grads",
+    "grad_norm",
     "hf_config",
     "hf_model_class",
     "init_model_parallel",
     "load_hf_checkpoint",
     "megatron_groups",
+    "pipeline_forward",
     "save_hf_checkpoint",
     "transformer_config",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 from msrl_core.reshard.errors import CheckpointError, ReshardError
 from msrl_core.reshard.layout import ModelConfig, Parallel, Target
 from msrl_core.reshard.plan import ReshardPlan, to_hf
-from msrl_core.reshard.steps import check_params, normalize_params
+from msrl_core.reshard.steps import Deadline, _collective, check_params, normalize_params
 
 __all__ = [
     "CheckpointError",
@@ -105,8 +105,10 @@ class SafetensorsCheckpoint:
             if not isinstance(wm, dict):
                 raise CheckpointError(f"{index}: weight_map is not an object")
             self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
+            self.listing = index
         elif os.path.isfile(single):
             self.weight_map = {}
+            self.listing = single
             for name in self._open(SINGLE).keys():  # noqa: SIM118 (a safe_open handle)
                 self.weight_map[name] = SINGLE
         else:
@@ -135,7 +137,7 @@ class SafetensorsCheckpoint:
         """The stored shape; a :class:`CheckpointError` naming the file when the tensor is absent."""
         file = self.weight_map.get(name)
         if file is None:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r} (not in {self.listing})")
         f = self._open(file)
         try:
             return tuple(int(x) for x in f.get_slice(name).get_shape())
@@ -173,8 +175,10 @@ def _check_params(plan: ReshardPlan, params: dict[str, Any], stage: int) -> None
         raise CheckpointError(f"the Megatron shards do not fit {plan.cfg.arch} {plan.train}: {e}") from e
 
 
-def _check_checkpoint(plan: ReshardPlan, targets: list[Target], ckpt: SafetensorsCheckpoint) -> None:
-    for name in dict.fromkeys(pc.hf for t in targets for pc in t.pieces):
+def _check_checkpoint(plan: ReshardPlan, ckpt: SafetensorsCheckpoint) -> None:
+    """Every tensor of the model is in the checkpoint with the shape ``config.json`` implies (headers only):
+    a partial checkpoint is refused on every rank, also where this rank's slices happen to be present."""
+    for name in plan.hf:
         want = plan.hf[name].shape
         have = ckpt.shape(name)
         if have != want:
@@ -183,15 +187,27 @@ def _check_checkpoint(plan: ReshardPlan, targets: list[Target], ckpt: Safetensor
             )
 
 
-def _agree(ok: bool, device: Any, group: Any) -> bool:
-    """All ranks' verdicts (MIN over ``group``, default the world) when torch.distributed is up."""
+def _agree(ok: bool, device: Any, group: Any, what: str, timeout: float) -> bool:
+    """All ranks' verdicts (MIN over ``group``, default the world) when torch.distributed is up, within
+    ``timeout`` seconds (a rank that never calls makes it a :class:`CheckpointError`, not a hang)."""
+    import functools
+
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    try:
+        _collective(
+            functools.partial(dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group, async_op=True),
+            Deadline(timeout),
+        )
+    except ReshardError as e:
+        raise CheckpointError(
+            f"{what}: the ranks did not agree within {timeout:g} s (every rank of the group must call it): "
+            f"{e}"
+        ) from e
     return bool(flag.item())
 
 
@@ -202,6 +218,7 @@ def load_hf_checkpoint(
     *,
     config: ModelConfig | None = None,
     group: Any = None,
+    timeout: float = 300.0,
 ) -> LoadReport:
     """Fill this rank's Megatron shards (a ``GPTModel``, any module, or ``{stage-local name: tensor}``) in
     place from the Hugging Face checkpoint at ``path``, through the reshard plan run in reverse.
@@ -210,11 +227,12 @@ def load_hf_checkpoint(
     (default ``ModelConfig.from_pretrained(path)``; the dtype is the parameters'). Only the slices this rank
     holds are read (and cast to the parameters' dtype); Megatron's vocab-padding rows are zeroed.
 
-    Everything is checked before any parameter is written: a missing file or tensor, a tensor whose shape is
-    not what ``config.json`` implies, a parameter missing from the model or mis-shaped raise a
-    :class:`CheckpointError` naming the file and the tensor. With torch.distributed initialised the ranks of
-    ``group`` (default: the world) agree on the checks, so all raise together and every one of them must call
-    this; a rank whose own check passed raises an error saying another rank's failed."""
+    Everything is checked before any parameter is written: a missing file or tensor (of the whole model, not
+    only this rank's part), a tensor whose shape is not what ``config.json`` implies, a parameter missing
+    from the model or mis-shaped raise a :class:`CheckpointError` naming the file and the tensor. With
+    torch.distributed initialised the ranks of ``group`` (default: the world) agree on the checks within
+    ``timeout`` seconds, so all raise together and every one of them must call this; a rank whose own check
+    passed raises an error saying another rank's failed."""
     import torch
 
     local_error: Exception | None = None
@@ -235,11 +253,11 @@ def load_hf_checkpoint(
         targets = plan.megatron_targets(layout.pp_rank, layout.tp_rank, layout.ep_rank)
         _check_params(plan, params, layout.pp_rank)
         ckpt = SafetensorsCheckpoint(path)
-        _check_checkpoint(plan, targets, ckpt)
+        _check_checkpoint(plan, ckpt)
     except Exception as e:
         local_error = e
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    ok = _agree(local_error is None, device, group)
+    ok = _agree(local_error is None, device, group, f"load_hf_checkpoint({path})", timeout)
     if local_error is not None:
         raise local_error
     if not ok:
@@ -299,6 +317,7 @@ def save_hf_checkpoint(
     max_shard_bytes: int = 2 << 30,
     bucket_bytes: int = 64 << 20,
     writer_rank: int = 0,
+    timeout: float = 300.0,
 ) -> list[str]:
     """Write a Hugging Face checkpoint directory from Megatron shards, through the forward reshard plan
     (:func:`~msrl_core.reshard.stream_buckets` with HF names over ``groups``, default
@@ -308,7 +327,8 @@ def save_hf_checkpoint(
     :func:`~msrl_core.models.hf_config` makes of ``config``), ``model.safetensors`` or shards of at most
     ``max_shard_bytes`` with ``model.safetensors.index.json``, and ``tokenizer`` / ``generation_config``
     (anything with ``save_pretrained``). ``dtype``: the saved dtype (default: the parameters'). The ranks
-    agree on the writer's outcome; returns the files written (on the writer; ``[]`` elsewhere)."""
+    of the world agree on the writer's outcome (within ``timeout`` seconds, also each bucket's bound);
+    returns the files written (on the writer; ``[]`` elsewhere)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
@@ -329,7 +349,9 @@ def save_hf_checkpoint(
     rank = dist.get_rank() if dist.is_initialized() else 0
     write = rank == writer_rank
     plan = to_hf(config, train)
-    stream = stream_buckets(model_or_shards, plan, groups, names="hf", bucket_bytes=bucket_bytes)
+    stream = stream_buckets(
+        model_or_shards, plan, groups, names="hf", bucket_bytes=bucket_bytes, timeout=timeout
+    )
     files: list[str] = []
     error: Exception | None = None
     weight_map: dict[str, str] = {}
@@ -357,7 +379,7 @@ def save_hf_checkpoint(
             if os.path.exists(f):
                 os.remove(f)
     device = next(iter(params.values())).device
-    ok = _agree(error is None, device, None)
+    ok = _agree(error is None, device, None, f"save_hf_checkpoint({path})", timeout)
     if error is not None:
         raise CheckpointError(
             f"save_hf_checkpoint({path}) failed: {type(error).__name__}: {error}"

@@ -1,6 +1,8 @@
 """allgather-swap execution: bucketed all-gather over the caller's process groups, one fused strided copy
 per bucket into the flat inference buffer, swap-out of the training weights to persistent pinned host
-mirrors (storage freed, tensor objects kept), and the asynchronous swap back.
+mirrors (storage freed, tensor objects kept), and the asynchronous swap back. With nothing to gather
+(training TP, EP and PP all 1) the buckets' descriptors run straight from each parameter's storage: one
+fused copy per parameter, no pack, no scratch, no collective.
 
 One :class:`Switcher` per plan owns what outlives a switch: the pinned host mirrors, the copy engine and
 pinned pool it uses (injectable), and the state (the :class:`Swap` not yet swapped back). The switch runs as
@@ -15,6 +17,7 @@ every storage torch allocates on the CPU, see ``memory.py``) on top of the shard
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 import zlib
@@ -36,9 +39,11 @@ from .steps import (
     bucket_label,
     bytes_view,
     current_stream,
+    direct_descriptors,
     group_rank,
     group_size,
     normalize_params,
+    nothing_to_gather,
     prepare,
     scratch_bytes,
 )
@@ -55,7 +60,7 @@ class SwapTelemetry(Mapping):
 
     layout: str
     infer_rank: int
-    gather: str
+    gather: str  # "all_gather" | "p2p" | "none" (training TP, EP, PP 1: direct copies from the parameters)
     bucket_bytes: int  # requested bytes per member and bucket
     buckets: int
     my_buckets: int
@@ -64,7 +69,7 @@ class SwapTelemetry(Mapping):
     # device bytes
     train_bytes: int
     infer_bytes: int
-    scratch_bytes: int  # the gather scratch allocated: one bucket, two when pipelined
+    scratch_bytes: int  # the gather scratch allocated: one bucket, two when pipelined, none when direct
     freed_bytes: int = 0
     peak_bytes: int = 0  # accounted: live training storages + inference buffer + scratch, at every step
     final_bytes: int = 0
@@ -266,6 +271,8 @@ class Switcher(EngineAndPool):
         self.plan = plan
         self._host = HostMirrors(lambda: self.pool)
         self.active: Swap | None = None
+        # nothing to gather: per (bucket_bytes, infer_rank) one copy plan per parameter (pure, built once)
+        self._direct: dict[tuple[int, int], list[tuple[str, Any]]] = {}
 
     @property
     def mirrors(self) -> dict[str, Any]:
@@ -338,7 +345,10 @@ class Switcher(EngineAndPool):
         # measured: the reshard and the swap-out; not verify (a debugging mode that builds a full reference)
         probes = [MemoryProbe(prep.device), MemoryProbe(prep.device)]
         with probes[0] if measure else _nullcontext():
-            self._reshard_buckets(prep, groups, flat, bucket_bytes, engine, pipeline, tele, meter, _fail)
+            if nothing_to_gather(plan):
+                self._copy_direct(prep, groups, flat, bucket_bytes, engine, tele, _fail)
+            else:
+                self._reshard_buckets(prep, groups, flat, bucket_bytes, engine, pipeline, tele, meter, _fail)
         crcs = None
         local_error: Exception | None = None
         try:
@@ -376,22 +386,83 @@ class Switcher(EngineAndPool):
     ) -> SwapTelemetry:
         plan = self.plan
         buckets = plan.buckets(bucket_bytes)
-        cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
+        direct = nothing_to_gather(plan)
+        cplans = (
+            [c for _, c in self._direct_plans(bucket_bytes, prep.infer_rank)]
+            if direct
+            else plan.native_plans(bucket_bytes, prep.infer_rank)
+        )
         return SwapTelemetry(
             layout=plan.layout,
             infer_rank=prep.infer_rank,
-            gather=prep.modes["tp"] if plan.train.tp > 1 else prep.modes["ep"],
+            gather="none" if direct else prep.modes["tp"] if plan.train.tp > 1 else prep.modes["ep"],
             bucket_bytes=bucket_bytes,
             buckets=len(buckets),
             my_buckets=sum(1 for b in buckets if b.stage == prep.stage),
             descriptors=int(sum(len(c) for c in cplans if c is not None)),
-            pipelined=pipeline,
+            pipelined=pipeline and not direct,
             train_bytes=sum(s.nbytes for s in storages),
             infer_bytes=int(flat.numel()),
-            scratch_bytes=scratch_bytes(buckets, prep.modes) * (2 if pipeline else 1),
+            scratch_bytes=0 if direct else scratch_bytes(buckets, prep.modes) * (2 if pipeline else 1),
             device_is_host=prep.device.type == "cpu",
             bytes_copied=int(sum(c.bytes for c in cplans if c is not None)),
         )
+
+    def _direct_plans(self, bucket_bytes: int, infer_rank: int) -> list[tuple[str, Any]]:
+        key = (bucket_bytes, infer_rank)
+        if key not in self._direct:
+            from msrl_core import CopyPlan
+
+            descs = direct_descriptors(self.plan, bucket_bytes, infer_rank)
+            self._direct[key] = [(n, CopyPlan(d)) for n, d in descs.items()]
+        return self._direct[key]
+
+    def _copy_direct(
+        self,
+        prep: Prepared,
+        groups: Mapping[str, Any],
+        flat,
+        bucket_bytes: int,
+        engine: Any,
+        tele: SwapTelemetry,
+        fail: Callable[[Bucket | None], None] | None,
+    ) -> None:
+        """Nothing to gather (training TP, EP, PP 1): one fused copy per parameter straight from its storage
+        into the inference buffer, all submitted before the first wait; no pack, no scratch, no collective.
+        The ranks (of size-1 groups) still agree once, as after a bucket."""
+        deadline = prep.deadline
+        cur_stream = current_stream(prep.device)
+        t0 = time.perf_counter()
+        tickets: list[Any] = []
+        at = "setup"
+        failed: Exception | None = None
+        try:
+            if fail is not None:
+                fail(None)
+            for name, cplan in self._direct_plans(bucket_bytes, prep.infer_rank):
+                at = f"parameter {name!r}"
+                # ordered after the kernels queued on the caller's current stream that produced the weights
+                tickets.append(engine.execute(cplan, flat, prep.params[name].detach(), after=cur_stream))
+            at = "the direct copies"
+            for t in tickets:
+                t.wait(deadline.left())
+        except Exception as e:
+            failed = e
+            for t in tickets:  # never leave a copy running into the buffer after the switch returned
+                with contextlib.suppress(Exception):  # the first error is the one reported
+                    t.wait(deadline.left())
+        tele.copy_s = time.perf_counter() - t0
+        ok, _ = agree(failed is None, groups, prep.device, 0, deadline)
+        if failed is not None:
+            raise SwitchAborted(
+                f"allgather_swap failed at {at} (direct copy, nothing to gather) on this rank: "
+                f"{type(failed).__name__}: {failed}; training weights untouched on every rank"
+            ) from failed
+        if not ok:
+            raise SwitchAborted(
+                "allgather_swap aborted: another rank of the training groups failed its direct copy (see its "
+                "error); training weights untouched on every rank"
+            )
 
     def _reshard_buckets(
         self,
@@ -414,7 +485,7 @@ class Switcher(EngineAndPool):
         buckets = plan.buckets(bucket_bytes)
         cplans = plan.native_plans(bucket_bytes, prep.infer_rank)
         cur_stream = current_stream(prep.device)
-        gatherer = Gatherer(prep, groups, fail)
+        gatherer = Gatherer(prep, groups, fail, engine, after=cur_stream)
         one = tele.scratch_bytes // (2 if pipeline else 1)
         scratches: list[Any] = []
         pending: tuple[Any, Bucket] | None = None  # the copy in flight (pipelined)
@@ -587,7 +658,8 @@ def allgather_swap(
     ``gather``: ``"all_gather"`` (one ``all_gather_single`` per bucket), ``"p2p"`` (the same exchange as
     pairwise ``isend``/``irecv`` straight into the gathered bucket, no send buffer), or ``"auto"``: p2p on
     gloo groups (gloo's all-gather stages through extra copies; p2p is 1.5-2.5x faster on CPU), the
-    collective elsewhere (NCCL/HCCL).
+    collective elsewhere (NCCL/HCCL). With training TP, EP and PP all 1 nothing is gathered: one fused copy
+    per parameter straight into ``infer`` (``telemetry.gather == "none"``; ``pipeline``: nothing to overlap).
     ``bucket_bytes``: bytes per member and bucket, or ``"auto"``: chosen from free device memory (1/16 of
     it over the group's members, 1-256 MiB, the smallest of the ranks' choices; ``telemetry.bucket_bytes``).
     ``pipeline``: gather bucket k+1 while the fused copy of bucket k runs (two gather scratches).
