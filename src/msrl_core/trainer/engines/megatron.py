@@ -14,10 +14,11 @@ the caller: a hook on the logits broadcasts their gradient when autograd reaches
 the same backward with it. A follower that fails exits; rank 0's next collective then fails after the
 process group's timeout instead of hanging.
 
-Pipeline parallelism: rank 0 is stage 0; the stages run one after the other, each broadcasting its output
-(hidden states, and the last stage's logits) in its PP group, and the backward carries the gradients back
-the same way (on rank 0 inside the hook on the logits). Expert parallelism: every EP rank runs the same
-tokens, the experts' gradients are divided by ``ep``.
+Pipeline parallelism: rank 0 is stage 0 and the driver; ``msrl_core.models.pipeline_forward`` runs the
+stages in turn and brings the last stage's logits to the first; a follower of a later stage runs its backward
+from an anchor, receiving its output's gradient from the next stage. Every rank runs the same tokens, so
+``msrl_core.models.finish_grads`` completes the gradients (expert gradients divided by the dispatcher's
+group) and ``grad_norm`` sums the norm over TP, EP and PP.
 """
 
 from __future__ import annotations
@@ -159,10 +160,6 @@ class MegatronTrainEngine:
         self.groups: dict[str, Any] = megatron_groups()
         self.tp_group, self.ep_group, self.pp_group = self.groups["tp"], self.groups["ep"], self.groups["pp"]
         self.rpc_group = None  # rank 0's operations reach every rank (the world: tp x pp x ep)
-        self.pp_rank, self.pp_ranks = 0, [rank]
-        if self.pp_group is not None:
-            self.pp_rank = dist.get_rank(group=self.pp_group)
-            self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
         self._dist = dist
         self._swap: Any = None
         self._infer: Any = None
@@ -239,114 +236,41 @@ class MegatronTrainEngine:
     # ---- local work (both sides) --------------------------------------------------------------------
 
     def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` of ``tokens`` on every rank (with autograd when it is on). With PP the
-        stages run in turn, each stage's output broadcast in its PP group; the last stage's logits reach
-        the others the same way (on them a leaf: :meth:`_backward` carries the gradient back)."""
+        """Logits ``[B, T, vocab]`` of ``tokens`` (with autograd when it is on) on the first PP stage's
+        ranks; on the other stages an anchor (``msrl_core.models.pipeline_forward``: with PP the stages'
+        activations and, in the backward, their gradients travel between the stages). What the backward
+        needs is kept in ``m.pending``."""
+        from msrl_core.models import pipeline_forward
+
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        V = self.model_config.vocab_size
-        if self.pp_group is None:
-            logits = m.module(tokens, pos, None)[..., :V]
-            m.pending = logits
-            return logits
-        B, T = tokens.shape
-        grad = torch.is_grad_enabled()
-        dtype = getattr(torch, self.model_config.dtype)
-        x: Any = None
-        last = len(self.pp_ranks) - 1
-        for s in range(last + 1):
-            if s == self.pp_rank:
-                if s > 0:
-                    m.module.set_input_tensor(x)
-                out = m.module(tokens, pos, None)
-                m.pending = (out, x)
-            if s < last:  # stage s's hidden states [T, B, H] to stage s + 1
-                buf = (
-                    out.detach().contiguous()
-                    if s == self.pp_rank
-                    else torch.empty((T, B, self.model_config.hidden_size), dtype=dtype, device=self.device)
-                )
-                self._dist.broadcast(buf, src=self.pp_ranks[s], group=self.pp_group)
-                if s + 1 == self.pp_rank:
-                    x = buf.requires_grad_(grad)
-        if self.pp_rank == last:
-            logits = out
-            buf = out.detach().contiguous()
-        else:
-            buf = torch.empty((B, T, self._padded_vocab()), dtype=dtype, device=self.device)
-        self._dist.broadcast(buf, src=self.pp_ranks[last], group=self.pp_group)
-        if self.pp_rank != last:
-            logits = buf.requires_grad_(grad)
-        return logits[..., :V]
-
-    def _padded_vocab(self) -> int:
-        from msrl_core.reshard.layout import megatron_padded_vocab
-
-        mc = self.model_config
-        return megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, self.parallel.tp)
+        out = pipeline_forward(m.module, tokens, pos, None, group=self.pp_group)
+        if out.dim() == 0:  # a later PP stage: its anchor
+            m.pending = out
+            return out
+        logits = out[..., : self.model_config.vocab_size]
+        m.pending = logits
+        return logits
 
     def _backward(self, m: _Model, grad: torch.Tensor) -> None:
-        """The backward of the last :meth:`_forward` with ``grad`` of its logits (rank 0's loss gradient);
-        with PP stage by stage, each input gradient broadcast in the PP group to the stage before."""
+        """A follower's backward of its last :meth:`_forward` with rank 0's gradient of the logits (a later
+        PP stage: from its anchor, receiving the gradient of its output from the stage after it)."""
         pending, m.pending = m.pending, None
-        if self.pp_group is None:
+        if pending.dim() == 0:
+            pending.backward()
+        else:
             pending.backward(grad.to(pending.dtype))
-            return
-        out, x = pending
-        last = len(self.pp_ranks) - 1
-        B, T, _ = grad.shape
-        g: Any = None
-        for s in range(last, -1, -1):
-            if s == self.pp_rank:
-                if s == last:
-                    g = torch.zeros(out.shape, dtype=out.dtype, device=out.device)
-                    g[..., : grad.shape[-1]] = grad
-                out.backward(g)
-            if s > 0:  # stage s's input gradient to stage s - 1
-                if s == self.pp_rank:
-                    buf = x.grad.contiguous()
-                else:
-                    dtype = getattr(torch, self.model_config.dtype)
-                    buf = torch.empty((T, B, self.model_config.hidden_size), dtype=dtype, device=self.device)
-                self._dist.broadcast(buf, src=self.pp_ranks[s], group=self.pp_group)
-                if s - 1 == self.pp_rank:
-                    g = buf
 
     def _make_optimizer(self, m: _Model, lr: float, wd: float) -> None:
         m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
 
-    def _grad_norm(self, m: _Model) -> float:
-        """The global grad norm: TP-sharded parameters summed over the TP group, experts (Megatron's
-        ``allreduce=False``) over the EP group, replicated ones counted once."""
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        experts = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in m.module.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if not getattr(p, "allreduce", True):
-                experts += sq
-            elif getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp_group is not None:
-            self._dist.all_reduce(sharded, group=self.tp_group)
-        if self.ep_group is not None:
-            self._dist.all_reduce(experts, group=self.ep_group)
-        total = sharded + experts + replicated
-        if self.pp_group is not None:  # every stage holds other layers
-            self._dist.all_reduce(total, group=self.pp_group)
-        return float(total.sqrt())
-
     def _clip_and_step(self, m: _Model, max_norm: float) -> float:
-        if self.parallel.ep > 1:
-            # every EP rank runs the same tokens (no data parallelism here): the dispatcher hands each expert
-            # the tokens of all EP ranks, so its gradient is ep times the one of the batch
-            for p in m.module.parameters():
-                if p.grad is not None and not getattr(p, "allreduce", True):
-                    p.grad.div_(self.parallel.ep)
-        norm = self._grad_norm(m)
+        """``msrl_core.models.finish_grads`` (every rank ran the same batch: QK-norm grads summed over TP,
+        expert grads divided by the dispatcher's group size), the global grad norm over TP, EP and PP,
+        clipping to ``max_norm`` (> 0) and the optimizer step when the norm is finite."""
+        from msrl_core.models import finish_grads, grad_norm
+
+        finish_grads(m.module)
+        norm = grad_norm(m.module)
         if norm == norm and norm != float("inf"):  # finite: clip, step
             if max_norm > 0 and norm > max_norm:
                 for p in m.module.parameters():
@@ -430,8 +354,6 @@ class MegatronTrainEngine:
             with self._lock:
                 self._announce(_BWD, model, tuple(g.shape))
                 self._bcast(g.detach().float().contiguous())
-                if self.pp_group is not None:  # rank 0's stage runs its part of the backward now
-                    self._backward(self._models[model], g.detach().float())
 
         return hook
 
