@@ -217,11 +217,13 @@ def test_validate_lists_every_problem_at_once():
 
 def test_valid_parallel_configs_pass_and_untrained_layouts_are_rejected():
     validate(valid("actor.tp=2", "rollout.engine=vllm", "rollout.tp=2"))
-    with pytest.raises(ConfigError, match=r"actor.pp=2, actor.ep=1: .*tensor parallelism only"):
-        validate(valid("actor.tp=2", "actor.pp=2"))
-    moe = valid("model.arch=qwen3_moe", "model.num_experts=4", "model.moe_intermediate_size=32", "actor.ep=2")
-    with pytest.raises(ConfigError, match=r"model.arch='qwen3_moe': MoE models are not trained"):
-        validate(moe)
+    validate(valid("actor.tp=2", "actor.pp=2"))
+    with pytest.raises(ConfigError, match=r"actor.pp=2 with model.tie_word_embeddings=True"):
+        validate(valid("actor.pp=2", "model.tie_word_embeddings=true"))
+    moe = ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_intermediate_size=32", "actor.ep=2"]
+    validate(valid(*moe))
+    with pytest.raises(ConfigError, match=r"model.arch='qwen3_moe' with actor.engine='hf'"):
+        validate(valid(*moe[:3], "actor.engine=hf"))
 
 
 def test_resume_takes_bool_auto_or_path(tmp_path):

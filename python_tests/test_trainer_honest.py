@@ -182,6 +182,8 @@ STEP_KEYS = {
     "model.moe_intermediate_size": 8,
     "actor.pp": 2,
     "actor.ep": 2,
+    "model.moe_router_topk": 1,
+    "model.moe_norm_topk_prob": False,
     "actor.lr": 0.1,
     "actor.weight_decay": 0.5,
     "actor.clip_grad": 1e-4,

@@ -67,6 +67,8 @@ class ModelSection:
     norm_epsilon: float = 1e-6
     num_experts: int = 0  # 0: dense
     moe_intermediate_size: int = 0
+    moe_router_topk: int = 2  # experts per token (config.json's num_experts_per_tok); MoE only
+    moe_norm_topk_prob: bool = True  # renormalise the top-k routing weights (norm_topk_prob); MoE only
     dtype: str = "float32"
     make_vocab_size_divisible_by: int = 8  # Megatron pads the embedding to a multiple of this
     path: str | None = None
@@ -354,7 +356,9 @@ def model_config(model: ModelSection) -> ModelConfig:
         tie_word_embeddings=m.tie_word_embeddings,
         num_experts=m.num_experts,
         moe_intermediate_size=m.moe_intermediate_size,
-        qk_norm=m.arch == "qwen3",
+        moe_router_topk=m.moe_router_topk if m.num_experts else 0,
+        moe_norm_topk_prob=m.moe_norm_topk_prob if m.num_experts else None,
+        qk_norm=m.arch in ("qwen3", "qwen3_moe"),
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         dtype=m.dtype,
         rope_theta=m.rope_theta,
@@ -438,6 +442,18 @@ def _check_model(cfg: TrainerConfig, problems: list[str]) -> None:
             f"model.qkv_bias=True with model.arch={m.arch!r}: only {', '.join(QKV_BIAS_ARCHS)} have a QKV "
             "bias in the Hugging Face layout; use model.qkv_bias=false"
         )
+    if m.num_experts == 0 and (
+        m.moe_router_topk != ModelSection.moe_router_topk
+        or m.moe_norm_topk_prob != ModelSection.moe_norm_topk_prob
+    ):
+        problems.append(
+            f"model.moe_router_topk={m.moe_router_topk}, model.moe_norm_topk_prob={m.moe_norm_topk_prob} "
+            "apply to MoE models only (model.num_experts > 0)"
+        )
+    elif m.num_experts and not 1 <= m.moe_router_topk <= m.num_experts:
+        problems.append(
+            f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]"
+        )
     if r.max_prompt_length + r.max_response_length > m.max_position_embeddings:
         problems.append(
             f"rollout.max_prompt_length={r.max_prompt_length} + rollout.max_response_length="
@@ -461,14 +477,15 @@ def _check_parallel(cfg: TrainerConfig, problems: list[str]) -> None:
         problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
     elif a.ep > 1:
         _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
-    if a.pp > 1 or a.ep > 1:
+    if a.pp > 1 and m.tie_word_embeddings:
         problems.append(
-            f"actor.pp={a.pp}, actor.ep={a.ep}: the trainer's Megatron engine runs tensor parallelism only "
-            "in this build; use actor.pp=1 actor.ep=1"
+            f"actor.pp={a.pp} with model.tie_word_embeddings=True: the trainer's pipeline runs untied "
+            "embeddings only; use actor.pp=1"
         )
-    if m.num_experts > 0:
+    if m.num_experts > 0 and a.engine != "megatron":
         problems.append(
-            f"model.arch={m.arch!r}: MoE models are not trained by this build (dense llama, qwen2, qwen3 are)"
+            f"model.arch={m.arch!r} with actor.engine={a.engine!r}: MoE models train on the Megatron engine "
+            "(actor.engine=megatron, actor.ep to shard the experts)"
         )
     if r.engine == "hf" and r.gpu_memory_utilization != RolloutSection.gpu_memory_utilization:
         problems.append(

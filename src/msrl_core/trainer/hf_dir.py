@@ -33,6 +33,8 @@ SECTION_FIELDS = {
     "norm_epsilon": "norm_epsilon",
     "num_experts": "num_experts",
     "moe_intermediate_size": "moe_intermediate_size",
+    "moe_router_topk": "moe_router_topk",
+    "moe_norm_topk_prob": "moe_norm_topk_prob",
 }
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -93,6 +95,8 @@ def fill_model_section(model: Any, explicit: dict[str, str]) -> None:
     problems = []
     for key, field in SECTION_FIELDS.items():
         value = getattr(mc, field)
+        if key in ("moe_router_topk", "moe_norm_topk_prob") and not mc.num_experts:
+            continue  # a dense model: the section's defaults stand
         if key in explicit and key != "path" and getattr(model, key) != value:
             problems.append(
                 f"model.{key}={getattr(model, key)!r} ({explicit[key]}) contradicts {value!r} in "

@@ -11,6 +11,7 @@ into it outside the switch.
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -77,6 +78,32 @@ def init_megatron_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out[name] = t.to(getattr(torch, cfg.dtype))
+    return out
+
+
+_EXPERT = re.compile(
+    r"^(?P<layer>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint-layout expert tensors (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers'
+    in-memory layout: ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
+    ``...mlp.experts.down_proj`` ``[E, H, I]``; every other tensor as it is."""
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[str, dict[int, Any]]] = {}
+    for k, v in hf.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m["layer"], {}).setdefault(m["proj"], {})[int(m["e"])] = v
+    for layer, projs in experts.items():
+        n = len(projs["down_proj"])
+        out[f"{layer}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)]
+        )
+        out[f"{layer}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
     return out
 
 
@@ -205,31 +232,26 @@ class HFSampler:
         self.views = dict(views)
         if model.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
+        self._weights = self.views
+        self._fused = any(".mlp.experts.0." in k for k in self.views)
 
     def on_switch(self) -> None:
-        """Nothing to do: the views are this sampler's weights, ``allgather_swap`` filled them in place."""
+        """Dense models: nothing to do, the views are this sampler's weights (``allgather_swap`` filled them
+        in place). MoE: transformers keeps each layer's experts as two stacked tensors, built here once per
+        switch from the per-expert checkpoint-layout views (a copy of the expert weights)."""
+        if self._fused:
+            self._weights = fuse_experts(self.views)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return _functional_logits(self.model, self.views, tokens, mask, pos)
+        return _functional_logits(self.model, self._weights, tokens, mask, pos)
 
     @torch.no_grad()
     def generate(
-        self,
-        prompts: list[torch.Tensor],
-        max_new: int,
-        eos_id: int | Sequence[int],
-        pad_id: int,
-        temperature: float,
-        top_p: float,
-        generator: torch.Generator | None,
-        greedy: bool = False,
+        self, prompts: list[torch.Tensor], *args: Any, **kw: Any
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
-        several). Returns per row the response tokens and their log-probs."""
-        toks, lps, lengths = self.generate_padded(
-            prompts, max_new, eos_id, pad_id, temperature, top_p, generator, greedy
-        )
+        """:meth:`generate_padded` per row: the response tokens and their log-probs."""
+        toks, lps, lengths = self.generate_padded(prompts, *args, **kw)
         n = lengths.tolist()
         return [toks[i, : n[i]].clone() for i in range(len(n))], [
             lps[i, : n[i]].clone() for i in range(len(n))
@@ -247,7 +269,9 @@ class HFSampler:
         generator: torch.Generator | None,
         greedy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`generate` as right-padded ``[B, T]`` tokens and log-probs and the ``[B]`` lengths."""
+        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
+        several; ``greedy``: argmax). Returns right-padded ``[B, T]`` tokens and their log-probs under the
+        temperature-scaled distribution, and the ``[B]`` lengths."""
         B = len(prompts)
         dev = self.device
         tokens = torch.nn.utils.rnn.pad_sequence(

@@ -14,7 +14,11 @@ the caller: a hook on the logits broadcasts their gradient when autograd reaches
 the same backward with it. A follower that fails exits; rank 0's next collective then fails after the
 process group's timeout instead of hanging.
 
-Pipeline parallelism is not supported by this engine yet (``actor.pp`` must be 1).
+Pipeline parallelism: rank 0 is stage 0 and the driver; ``msrl_core.models.pipeline_forward`` runs the
+stages in turn and brings the last stage's logits to the first; a follower of a later stage runs its backward
+from an anchor, receiving its output's gradient from the next stage. Every rank runs the same tokens, so
+``msrl_core.models.finish_grads`` completes the gradients (expert gradients divided by the dispatcher's
+group) and ``grad_norm`` sums the norm over TP, EP and PP.
 """
 
 from __future__ import annotations
@@ -103,11 +107,11 @@ def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") ->
     )
 
 
-def build_policy(cfg: Any, tp: int, seed: int, device: Any) -> Any:
+def build_policy(cfg: Any, parallel: Parallel, seed: int, device: Any) -> Any:
     """This rank's ``GPTModel`` of ``cfg.model`` (``msrl_core.models.build_gpt``: the one builder)."""
     from msrl_core.models import build_gpt
 
-    return build_gpt(model_config(cfg.model), Parallel(tp=tp), seed=seed, device=device)
+    return build_gpt(model_config(cfg.model), parallel, seed=seed, device=device)
 
 
 class _Model:
@@ -136,33 +140,26 @@ class MegatronTrainEngine:
         from msrl_core.trainer.engines import process_group_backend, torch_device
 
         tp, pp, ep = cfg.actor.tp, cfg.actor.pp, cfg.actor.ep
-        if pp != 1 or ep != 1:
-            raise NotImplementedError(
-                f"the Megatron engine of this trainer supports tensor parallelism only; got actor.pp={pp}, "
-                f"actor.ep={ep} (use 1)"
-            )
         self.cfg, self.model_config, self.rank, self.seed = cfg, mc, rank, seed
-        self.parallel = Parallel(tp=tp)
+        self.parallel = Parallel(tp=tp, pp=pp, ep=ep)
         self.device_name = device
         self.device = torch_device(device, rank)
         self._procs: Any = None
-        if rank == 0 and tp > 1:
+        world = tp * pp * ep
+        if rank == 0 and world > 1:
             port = _free_port()
-            self._procs = _spawn_followers(cfg, seed, tp, port, device)
-        init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
+            self._procs = _spawn_followers(cfg, seed, world, port, device)
+        init_distributed(rank, world, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_policy(cfg, tp, seed, self.device))]
+        self._models = [_Model(build_policy(cfg, self.parallel, seed, self.device))]
         self.module = self._models[0].module
+        from msrl_core.models import ShardLayout, load_hf_checkpoint, megatron_groups
+
         if cfg.model.path:  # the checkpoint's weights, this rank's shard (the reshard plan in reverse)
-            from msrl_core.models import ShardLayout, load_hf_checkpoint
-
-            layout = ShardLayout(train=self.parallel, tp_rank=rank)
-            load_hf_checkpoint(self.module, cfg.model.path, layout, config=mc)
-        from megatron.core import parallel_state as ps
-
-        self.ps = ps
-        self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        self.groups: dict[str, Any] = {"tp": self.tp_group, "pp": None, "ep": None}
+            load_hf_checkpoint(self.module, cfg.model.path, ShardLayout.from_megatron(), config=mc)
+        self.groups: dict[str, Any] = megatron_groups()
+        self.tp_group, self.ep_group, self.pp_group = self.groups["tp"], self.groups["ep"], self.groups["pp"]
+        self.rpc_group = None  # rank 0's operations reach every rank (the world: tp x pp x ep)
         self._dist = dist
         self._swap: Any = None
         self._infer: Any = None
@@ -172,7 +169,7 @@ class MegatronTrainEngine:
 
     @property
     def world(self) -> int:
-        return self.parallel.tp
+        return self.parallel.tp * self.parallel.pp * self.parallel.ep
 
     def _announce(
         self,
@@ -185,11 +182,11 @@ class MegatronTrainEngine:
         if self.world == 1 or self.rank != 0:
             return
         hdr = pack_header(op, model, shape, ints, floats)
-        self._dist.broadcast(hdr.to(self.device), src=0, group=self.tp_group)
+        self._dist.broadcast(hdr.to(self.device), src=0, group=self.rpc_group)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            self._dist.broadcast(t, src=0, group=self.tp_group)
+            self._dist.broadcast(t, src=0, group=self.rpc_group)
         return t
 
     def serve(self) -> None:
@@ -206,11 +203,10 @@ class MegatronTrainEngine:
                     with torch.no_grad():
                         self._forward(m, tokens)
                 else:
-                    m.pending = self._forward(m, tokens)
+                    self._forward(m, tokens)  # keeps what the backward needs (m.pending)
             elif op == _BWD:
                 grad = self._bcast(torch.zeros(shape, dtype=torch.float32, device=self.device))
-                pending, m.pending = m.pending, None
-                pending.backward(grad.to(pending.dtype))
+                self._backward(m, grad)
             elif op == _ZERO:
                 m.optimizer.zero_grad(set_to_none=True)
             elif op == _STEP:
@@ -240,30 +236,41 @@ class MegatronTrainEngine:
     # ---- local work (both sides) --------------------------------------------------------------------
 
     def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens`` (with autograd when it is on) on the first PP stage's
+        ranks; on the other stages an anchor (``msrl_core.models.pipeline_forward``: with PP the stages'
+        activations and, in the backward, their gradients travel between the stages). What the backward
+        needs is kept in ``m.pending``."""
+        from msrl_core.models import pipeline_forward
+
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        out = m.module(tokens, pos, None)
-        return out[..., : self.model_config.vocab_size]
+        out = pipeline_forward(m.module, tokens, pos, None, group=self.pp_group)
+        if out.dim() == 0:  # a later PP stage: its anchor
+            m.pending = out
+            return out
+        logits = out[..., : self.model_config.vocab_size]
+        m.pending = logits
+        return logits
+
+    def _backward(self, m: _Model, grad: torch.Tensor) -> None:
+        """A follower's backward of its last :meth:`_forward` with rank 0's gradient of the logits (a later
+        PP stage: from its anchor, receiving the gradient of its output from the stage after it)."""
+        pending, m.pending = m.pending, None
+        if pending.dim() == 0:
+            pending.backward()
+        else:
+            pending.backward(grad.to(pending.dtype))
 
     def _make_optimizer(self, m: _Model, lr: float, wd: float) -> None:
         m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
 
-    def _grad_norm(self, m: _Model) -> float:
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in m.module.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.world > 1:
-            self._dist.all_reduce(sharded, group=self.tp_group)
-        return float((sharded + replicated).sqrt())
-
     def _clip_and_step(self, m: _Model, max_norm: float) -> float:
-        norm = self._grad_norm(m)
+        """``msrl_core.models.finish_grads`` (every rank ran the same batch: QK-norm grads summed over TP,
+        expert grads divided by the dispatcher's group size), the global grad norm over TP, EP and PP,
+        clipping to ``max_norm`` (> 0) and the optimizer step when the norm is finite."""
+        from msrl_core.models import finish_grads, grad_norm
+
+        finish_grads(m.module)
+        norm = grad_norm(m.module)
         if norm == norm and norm != float("inf"):  # finite: clip, step
             if max_norm > 0 and norm > max_norm:
                 for p in m.module.parameters():
@@ -290,7 +297,7 @@ class MegatronTrainEngine:
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_policy(self.cfg, self.parallel.tp, self.seed, self.device)  # process groups: no deepcopy
+        ref = build_policy(self.cfg, self.parallel, self.seed, self.device)  # process groups: no deepcopy
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -311,7 +318,7 @@ class MegatronTrainEngine:
             None,
             None,
         )
-        self._dist.barrier(group=self.tp_group)
+        self._dist.barrier(group=self.rpc_group)
 
     def _load_follower(self, path: str) -> None:
         from pathlib import Path
@@ -323,7 +330,7 @@ class MegatronTrainEngine:
         if len(self._models) > 1:
             _load(self._models[1].module, {k[4:]: v for k, v in state.items() if k.startswith("ref/")})
         self._models[0].optimizer.load_state_dict(opt)
-        self._dist.barrier(group=self.tp_group)
+        self._dist.barrier(group=self.rpc_group)
 
     # ---- the TrainEngine interface (rank 0) -------------------------------------------------------------
 
@@ -394,7 +401,7 @@ class MegatronTrainEngine:
         if self.world > 1:
             with self._lock:
                 self._announce(_SAVE, ints=(step, 0))
-                self._dist.barrier(group=self.tp_group)
+                self._dist.barrier(group=self.rpc_group)
 
     def load_followers(self, path: str | os.PathLike[str]) -> None:
         """Followers load their shards (policy, reference, optimizer) of the checkpoint at ``path``."""
@@ -403,7 +410,7 @@ class MegatronTrainEngine:
             with self._lock:
                 self._announce(_LOAD, 0, tuple(data.shape))
                 self._bcast(data.to(self.device))
-                self._dist.barrier(group=self.tp_group)
+                self._dist.barrier(group=self.rpc_group)
 
     def optimizer_state(self) -> dict[str, Any]:
         return self._models[0].optimizer.state_dict()
