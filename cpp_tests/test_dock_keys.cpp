@@ -18,12 +18,12 @@ using namespace msrl::dock;
 namespace {
 
 ColumnSpec ragged(const std::string& name, int64_t arena_bytes, bool growable = true) {
-  ColumnSpec c{name, DType::kInt64, true, {}, arena_bytes};
+  ColumnSpec c{name, DType::kInt64, true, {}, arena_bytes, "", false, true};
   c.growable = growable;
   return c;
 }
 
-ColumnSpec scalar(const std::string& name) { return ColumnSpec{name, DType::kFloat32, false, {}, 0}; }
+ColumnSpec scalar(const std::string& name) { return ColumnSpec{name, DType::kFloat32, false, {}, 0, "", false, true}; }
 
 DockConfig config(int64_t capacity = 8, int64_t group = 1) {
   DockConfig cfg;
@@ -132,7 +132,7 @@ TEST(DockKeys, RunTimeColumnsAgreeUnderConcurrentFirstPuts) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&, i] {
-      ColumnSpec c{"later", i % 2 ? DType::kFloat32 : DType::kInt32, false, {}, 0};
+      ColumnSpec c{"later", i % 2 ? DType::kFloat32 : DType::kInt32, false, {}, 0, "", false, true};
       try {
         d.declare_column(c);
         ++ok;

@@ -15,8 +15,8 @@ using namespace msrl::dock;
 namespace {
 
 std::vector<ColumnSpec> two_columns(int64_t arena_bytes = 1 << 16) {
-  ColumnSpec tokens{"tokens", DType::kInt64, true, {}, arena_bytes};
-  ColumnSpec reward{"reward", DType::kFloat32, false, {}, 0};
+  ColumnSpec tokens{"tokens", DType::kInt64, true, {}, arena_bytes, "", false, true};
+  ColumnSpec reward{"reward", DType::kFloat32, false, {}, 0, "", false, true};
   return {tokens, reward};
 }
 
@@ -62,7 +62,7 @@ TEST(Warehouse, RaggedPutGatherRoundTrip) {
 }
 
 TEST(Warehouse, FixedShapeColumnAndPadded) {
-  ColumnSpec emb{"emb", DType::kFloat32, false, {2, 3}, 0};
+  ColumnSpec emb{"emb", DType::kFloat32, false, {2, 3}, 0, "", false, true};
   Warehouse w(1, 0, 4, {emb});
   std::vector<float> src(2 * 6);
   std::iota(src.begin(), src.end(), 0.f);
@@ -182,8 +182,8 @@ TEST(Warehouse, EraseForgetsWrittenRows) {
 }
 
 TEST(Warehouse, ExternalArenaIsUsedAndLocateGivesOffsets) {
-  ColumnSpec tok{"tok", DType::kInt32, true, {}, 64};
-  ColumnSpec r{"r", DType::kFloat32, false, {}, 0};
+  ColumnSpec tok{"tok", DType::kInt32, true, {}, 64, "", false, true};
+  ColumnSpec r{"r", DType::kFloat32, false, {}, 0, "", false, true};
   std::vector<uint8_t> mem_tok(64), mem_r(4 * 4);
   Warehouse w(0, 0, 4, {tok, r}, {mem_tok.data(), mem_r.data()});
   EXPECT_EQ(w.arena_capacity(0), 64);

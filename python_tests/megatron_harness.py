@@ -60,6 +60,12 @@ def spawn(main, cases: list, world: int, timeout: float, what: str) -> list[dict
 
 
 def _main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None:
+    serve(rank, world, port, cases, out, _run_case)
+
+
+def serve(rank: int, world: int, port: int, cases: list[dict], out: str, run_case) -> None:
+    """A worker's body: join the gloo world, run ``run_case(case, rank, world)`` for every case (an exception
+    is recorded as the case's result), write ``rank{r}.json``."""
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -74,7 +80,7 @@ def _main(rank: int, world: int, port: int, cases: list[dict], out: str) -> None
     results: dict = {}
     for case in cases:
         try:
-            results[case["name"]] = _run_case(case, rank, world)
+            results[case["name"]] = run_case(case, rank, world)
         except Exception as e:  # recorded, the test asserts on it
             results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         dist.barrier()
@@ -89,7 +95,7 @@ def model_config(case: dict):
     return ModelConfig(**case["model"])
 
 
-def hf_model(cfg, rope_theta: float = 10000.0):
+def hf_model(cfg, rope_theta: float | None = None):
     import torch
     import transformers as tf
 
@@ -101,10 +107,10 @@ def hf_model(cfg, rope_theta: float = 10000.0):
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         head_dim=cfg.hd,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=128,
+        rms_norm_eps=cfg.norm_epsilon,
+        max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta or cfg.rope_theta},
     )
     if cfg.arch == "qwen2":
         c, M = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
@@ -114,8 +120,8 @@ def hf_model(cfg, rope_theta: float = 10000.0):
         c = tf.Qwen3MoeConfig(
             num_experts=cfg.num_experts,
             moe_intermediate_size=cfg.moe_intermediate_size,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
+            num_experts_per_tok=cfg.moe_router_topk,
+            norm_topk_prob=cfg.moe_norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             **common,
@@ -128,8 +134,8 @@ def hf_model(cfg, rope_theta: float = 10000.0):
             num_experts=cfg.num_experts,
             moe_intermediate_size=cfg.moe_intermediate_size,
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
+            num_experts_per_tok=cfg.moe_router_topk,
+            norm_topk_prob=cfg.moe_norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             qkv_bias=cfg.qkv_bias,
@@ -226,98 +232,15 @@ def _stream_into_hf(model, plan, groups, cfg, tokens, ref_logits, bucket_bytes: 
 
 
 def _build_megatron(cfg, tp: int, pp: int, ep: int):
-    import torch
-    import torch.nn.functional as F
+    """The package's builder (:func:`msrl_core.models.build_gpt`), values randomised deterministically."""
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
-    from msrl_core.reshard.layout import megatron_padded_vocab
+    from msrl_core.models import build_gpt, megatron_groups
+    from msrl_core.reshard import Parallel
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1 if ep > 1 else tp,
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    kw = {}
-    if cfg.is_moe:
-        kw = dict(
-            num_moe_experts=cfg.num_experts,
-            moe_ffn_hidden_size=cfg.moe_intermediate_size,
-            moe_router_topk=2,
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
-            # Qwen3-MoE renormalises the top-k probabilities (softmax over the top-k logits); Qwen2-MoE
-            # takes the top-k of the full softmax (norm_topk_prob=False) = Megatron's pre-softmax router
-            moe_router_pre_softmax=cfg.arch == "qwen2_moe",
-            moe_grouped_gemm=False,
-            expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=1 if ep > 1 else tp,
-        )
-        if cfg.shared_expert_intermediate_size:
-            kw.update(
-                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
-                moe_shared_expert_gate=True,
-            )
-    tc = TransformerConfig(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        kv_channels=cfg.hd,
-        ffn_hidden_size=cfg.intermediate_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=cfg.qkv_bias,
-        qk_layernorm=cfg.qk_norm,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float32,
-        attention_softmax_in_fp32=True,
-        **kw,
-    )
-    spec = get_gpt_layer_local_spec(
-        num_experts=cfg.num_experts or None, qk_layernorm=cfg.qk_norm, normalization="RMSNorm"
-    )
-    model = GPTModel(
-        tc,
-        spec,
-        vocab_size=megatron_padded_vocab(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp),
-        max_sequence_length=128,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        parallel_output=False,
-    ).eval()
+    model = build_gpt(cfg, Parallel(tp=tp, pp=pp, ep=ep), seed=1234, reinit=True).eval()
     _randomize(model, ps)
-    groups = {
-        "tp": ps.get_tensor_model_parallel_group() if tp > 1 else None,
-        "pp": ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-        "ep": ps.get_expert_model_parallel_group() if ep > 1 else None,
-    }
-    return model, groups, ps
+    return model, megatron_groups(), ps
 
 
 def _randomize(model, ps) -> None:

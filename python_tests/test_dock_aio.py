@@ -194,10 +194,15 @@ def test_io_deadline_and_bad_arguments():
         def fetch(self, meta, columns=None):
             time.sleep(0.5)
 
+        def put(self, data, rows=None):
+            raise Timeout("the dock's own deadline")  # not io_timeout's
+
     async def main():
         adock = AsyncDock(SlowDock(), io_timeout=0.05)  # type: ignore[arg-type]
         with pytest.raises(Timeout, match="io_timeout=0.05"):
             await adock.fetch([0])
+        with pytest.raises(Timeout, match="the dock's own deadline"):
+            await adock.put({})
         with pytest.raises(InvalidArgument, match="keyed get"):
             await adock.get(["k"])
         adock.close()
@@ -268,7 +273,8 @@ def test_claims_from_two_event_loops_in_two_threads_share_a_stage_exactly_once()
     assert sorted(got[0] + got[1]) == list(range(256))
 
 
-def test_64_claimers_drain_a_ray_stage_exactly_once():
+@pytest.mark.slow  # one local Ray instance: 10-25 s on the shared 2-core machine
+def test_64_claimers_drain_a_ray_stage_and_two_ray_partitions_exactly_once():
     ray = pytest.importorskip("ray")
     from dock_util import init_local_ray
 
@@ -281,6 +287,117 @@ def test_64_claimers_drain_a_ray_stage_exactly_once():
         assert sorted(seen) == list(range(256)) and set(seen.values()) == {1}
         assert dock.progress()["score"]["consumed_rows"] == 256
         dock.shutdown()
+        keyed = Dock(stages={"score": ["prompts"]}, capacity=256, group_size=GROUP, backend="ray")
+        drain_two_partitions(keyed, per_part=96)  # the keyed store on Ray: partitions apart, once each
+        keyed.shutdown()
     finally:
         if started:
             ray.shutdown()
+
+
+def test_batches_streams_until_no_rows_come_within_the_deadline():
+    dock = make_dock()
+
+    async def main():
+        adock = AsyncDock(dock)
+        rows = await adock.put(prompts(16))
+        seen = []
+        async for batch in adock.batches("score", max_rows=8, timeout=0.2, fetch_args={"layout": "padded"}):
+            assert batch.stage == "score" and batch["prompts"].values.shape[0] == len(batch.rows)
+            seen.extend(batch.rows.tolist())
+            await adock.put({"rewards": np.zeros(len(batch.rows), np.float32)}, rows=batch)
+        assert sorted(seen) == sorted(rows.tolist())
+        assert dock.progress()["update"]["ready_rows"] == 16
+        with pytest.raises(InvalidArgument, match="timeout > 0"):
+            async for _ in adock.batches("score", max_rows=8, timeout=0):
+                pass
+        adock.close()
+
+    run(main())
+
+
+def test_64_claimers_on_two_partitions_of_the_keyed_dock_drain_each_exactly_once():
+    drain_two_partitions(Dock(stages={"score": ["prompts"]}, capacity=512, group_size=GROUP))
+
+
+def drain_two_partitions(dock: Dock, per_part: int = 192) -> None:
+    for part in "ab":
+        dock.create_partition(part)
+
+    async def main():
+        adock = AsyncDock(dock)
+        seen = {"a": collections.Counter(), "b": collections.Counter()}
+        done = {"a": asyncio.Event(), "b": asyncio.Event()}
+
+        async def claimer(part: str) -> None:
+            while not done[part].is_set():
+                try:
+                    meta = await adock.claim("score", max_rows=GROUP, timeout=0.3, partition=part)
+                except Timeout:
+                    continue
+                assert meta.partition == part
+                batch = await adock.fetch(meta)
+                keys = dock.keys_of(meta.rows, partition=part)
+                for k, key in enumerate(keys):  # every row holds its own key's data
+                    assert batch["prompts"][k].tolist() == [int(key[1:])] * (1 + int(key[1:]) % 3)
+                seen[part].update(keys)
+                await adock.put({"rewards": np.ones(len(meta), np.float32)}, rows=meta)
+                if sum(seen[part].values()) >= per_part:
+                    done[part].set()
+
+        tasks = [asyncio.create_task(claimer("ab"[i % 2])) for i in range(64)]
+        for start in range(0, per_part, 32):  # both partitions fill while the claimers wait
+            for part in "ab":
+                keys = [f"{part}{i}" for i in range(start, start + 32)]
+                data = {"prompts": [np.full(1 + i % 3, i, np.int64) for i in range(start, start + 32)]}
+                await adock.put(data, partition=part, keys=keys)
+            await asyncio.sleep(0.002)
+        await asyncio.wait_for(asyncio.gather(*(done[p].wait() for p in "ab")), 30)
+        await asyncio.gather(*tasks)
+        adock.close()
+        return seen
+
+    seen = run(main())
+    for part in "ab":
+        assert sorted(seen[part]) == sorted(f"{part}{i}" for i in range(per_part))  # no row crossed
+        assert set(seen[part].values()) == {1}  # exactly once within the partition
+        assert dock.progress(part)["score"]["consumed_rows"] == per_part
+
+
+def test_dp_claims_and_keyed_get_pass_through():
+    dock = Dock(
+        columns={"responses": Column("int64", ragged=True, max_len=8)},
+        stages={"update": ["responses"]},
+        capacity=16,
+        group_size=2,
+        balance_by="responses",
+    )
+    dock.create_partition("p")
+
+    async def main():
+        adock = AsyncDock(dock, idle_s=0.1)
+        calls = [
+            adock.claim(
+                "update", 8, timeout=5.0, partition="p", dp_rank=r, dp_size=2, batch=0, ranks_per_replica=2
+            )
+            for r in (0, 1)
+            for _ in range(2)
+        ]
+        tasks = [asyncio.create_task(c) for c in calls]  # all four ranks wait before any row exists
+        await asyncio.sleep(0.05)
+        lens = [5, 1, 4, 4, 2, 2, 7, 3]
+        data = {"responses": [np.arange(n) for n in lens for _ in range(2)]}
+        await adock.put(data, partition="p", keys=list(range(16)))
+        shares = await asyncio.gather(*tasks)
+        assert shares[0].rows.tolist() == shares[1].rows.tolist()  # the ranks of replica 0
+        assert shares[2].rows.tolist() == shares[3].rows.tolist()  # the ranks of replica 1
+        r0, r1 = set(shares[0].rows.tolist()), set(shares[2].rows.tolist())
+        assert not r0 & r1 and len(r0 | r1) == 16
+        got = await adock.get([3, 0], ["responses"], partition="p")
+        assert [row.tolist() for row in got["responses"]] == [list(range(1)), list(range(5))]
+        assert len(adock._queues) == 2  # one waiting kind per dp_rank of this round
+        await asyncio.sleep(adock.idle_s + 0.5)
+        assert len(adock._queues) == 0  # idle kinds are forgotten: one per DP round would pile up
+        adock.close()
+
+    run(main())

@@ -133,9 +133,10 @@ def test_tensordict_to_columns():
     assert torch.equal(cols["responses"].values, torch.cat(ROWS))
     assert cols["extra.old_log_prob"].values.dtype == torch.float32
     assert cols["extra.mask"].shape == (4, 2)
-    assert isinstance(cols["uid"], _jagged.ObjectValues) and cols["uid"] == ["u0", "ü1", "", "u3"]
-    assert cols["raw_prompt"] == CHATS
-    assert cols["step"] == [7, 7, 7, 7]  # NonTensorData: its one value for every row
+    assert isinstance(cols["uid"], _jagged.ObjectValues) and list(cols["uid"]) == ["u0", "ü1", "", "u3"]
+    assert cols["uid"].dtype == object and cols["uid"].shape == (4,)
+    assert list(cols["raw_prompt"]) == CHATS  # list values stay one per row (not stacked into 2-D)
+    assert list(cols["step"]) == [7, 7, 7, 7]  # NonTensorData: its one value for every row
 
 
 def test_bad_tensordicts_are_refused():
@@ -219,3 +220,40 @@ def test_tensordict_round_trip_through_the_dock():
     assert td_out.get("uid").tolist() == [["u0", "ü1", "", "u3"][i] for i in order]
     assert td_out.get("raw_prompt").tolist() == [CHATS[i] for i in order]
     assert td_out.get("step").tolist() == [7] * 4
+
+
+def test_tensordict_round_trip_through_the_keyed_dock():
+    td_in = full_tensordict()
+    dock = Dock(capacity=8)
+    keys = ["k0", "k1", "k2", "k3"]
+    dock.put(td_in, partition="train", keys=keys)
+    padded = dock.get(keys, partition="train", output="tensordict")  # ragged padded + masks, objects too
+    assert padded["responses"].shape == (4, 5) and padded["responses_mask"].sum().item() == 9
+    assert padded.get("raw_prompt").tolist() == CHATS and padded.get("uid").tolist() == ["u0", "ü1", "", "u3"]
+    assert dock.columns["responses"].ragged and dock.columns["uid"].is_object
+    assert not dock.columns["extra.mask"].ragged  # dense stays dense
+    order = [3, 1, 0, 2]
+    td = dock.get([keys[i] for i in order], partition="train", output="tensordict", layout="nested")
+    assert td.batch_size == torch.Size([4])
+    for key in ("responses", ("extra", "old_log_prob")):
+        assert td[key].layout == torch.jagged
+        src = td_in[key].unbind()
+        assert [r.tolist() for r in td[key].unbind()] == [src[i].tolist() for i in order]
+    assert td["responses"].to_padded_tensor(-1).shape == (4, 5)  # padded to the longest row
+    assert torch.equal(td["rewards"], td_in["rewards"][order])
+    assert torch.equal(td["extra", "mask"], td_in["extra", "mask"][order])
+    assert td.get("uid").tolist() == [["u0", "ü1", "", "u3"][i] for i in order]
+    assert td.get("raw_prompt").tolist() == [CHATS[i] for i in order]
+    assert td.get("step").tolist() == [7] * 4  # a non-tensor int stays an object, not an int64 column
+    assert dock.columns["step"].is_object
+    nt = dock.get(keys, ["responses"], partition="train", layout="nested", output="torch")["responses"]
+    assert nt.offsets().tolist() == [0, 3, 8, 8, 9]
+
+
+def test_a_strided_nested_tensor_is_refused_by_the_dock_and_changes_nothing():
+    dock = Dock(capacity=8)
+    with pytest.raises(InvalidArgument, match=r"column 'responses': .*strided.*allowed: a torch\.jagged"):
+        dock.put({"responses": strided(ROWS[:2])}, partition="p", keys=["a", "b"])
+    with pytest.raises(InvalidArgument, match="strided"):
+        dock.put(TensorDict({"r": strided(ROWS[:2])}, batch_size=[2]), partition="p", keys=["a", "b"])
+    assert dock.partitions() == [] and dock.columns == {} and dock.stats()["allocated_rows"] == 0

@@ -215,11 +215,15 @@ def test_validate_lists_every_problem_at_once():
     assert "actor.tp=3" in str(info.value) and "actor.pp=3" in str(info.value)
 
 
-def test_valid_parallel_and_moe_configs_pass():
-    validate(valid("actor.tp=2", "actor.pp=2", "rollout.engine=vllm", "rollout.tp=2"))
-    validate(
-        valid("model.arch=qwen3_moe", "model.num_experts=4", "model.moe_intermediate_size=32", "actor.ep=2")
-    )
+def test_valid_parallel_configs_pass_and_untrained_layouts_are_rejected():
+    validate(valid("actor.tp=2", "rollout.engine=vllm", "rollout.tp=2"))
+    validate(valid("actor.tp=2", "actor.pp=2"))
+    with pytest.raises(ConfigError, match=r"actor.pp=2 with model.tie_word_embeddings=True"):
+        validate(valid("actor.pp=2", "model.tie_word_embeddings=true"))
+    moe = ["model.arch=qwen3_moe", "model.num_experts=4", "model.moe_intermediate_size=32", "actor.ep=2"]
+    validate(valid(*moe))
+    with pytest.raises(ConfigError, match=r"model.arch='qwen3_moe' with actor.engine='hf'"):
+        validate(valid(*moe[:3], "actor.engine=hf"))
 
 
 def test_resume_takes_bool_auto_or_path(tmp_path):
@@ -234,11 +238,11 @@ def test_resume_takes_bool_auto_or_path(tmp_path):
 def test_batch_helpers_and_model_config():
     cfg = valid("data.global_batch_size=6", "rollout.n=5", "actor.ppo_mini_batch_size=3")
     assert rows_per_step(cfg) == 30 and rows_per_mini_batch(cfg) == 15
-    mc = model_config(valid("model.num_query_groups=1", "model.tie_word_embeddings=true"))
+    mc = model_config(valid("model.num_query_groups=1", "model.tie_word_embeddings=true").model)
     assert (mc.arch, mc.num_key_value_heads, mc.intermediate_size, mc.head_dim) == ("qwen2", 1, 128, 16)
     assert mc.tie_word_embeddings and mc.qkv_bias and not mc.qk_norm
     assert mc.make_vocab_size_divisible_by == 8
-    assert model_config(valid("model.arch=qwen3")).qk_norm
+    assert model_config(valid("model.arch=qwen3").model).qk_norm
 
 
 def test_save_config_round_trips(tmp_path):

@@ -126,3 +126,30 @@ def test_loader_bad_input():
     with pytest.raises(DataError, match="out of range"):
         loader.load_state_dict({**loader.state_dict(), "batch_in_epoch": 5})
     assert loader.state_dict()["batch_in_epoch"] == 0  # state unchanged after the refused load
+
+
+def test_verl_parquet_layout_is_read_as_it_is(tmp_path):
+    """verl's layout (data_source, prompt as chat messages, ability, reward_model.ground_truth, extra_info)
+    with the default data keys: the answer is the ground truth, data_source and extra_info are kept."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {i}+1? Answer after ####."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(3)
+    ]
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    recs = load_prompts(path)
+    assert [r["answer"] for r in recs] == ["1", "2", "3"]
+    assert recs[1]["prompt"] == [{"role": "user", "content": "What is 1+1? Answer after ####."}]
+    assert recs[2]["data_source"] == "openai/gsm8k" and recs[2]["extra_info"] == {
+        "split": "train",
+        "index": 2,
+    }

@@ -72,18 +72,24 @@ def test_unavailable_device_is_a_clear_error(tmp_path, capsys):
 
 
 def test_hf_engines_on_the_selected_device():
-    from msrl_core.reshard import ModelConfig, to_hf
+    from msrl_core.reshard import to_hf
+    from msrl_core.trainer.config import ModelSection
     from msrl_core.trainer.engines.hf import HFSampler, HFTrainEngine
     from msrl_core.trainer.grpo import pack, response_log_probs
 
-    cfg = ModelConfig("llama", 32, 2, 4, 2, 64, vocab_size=18, make_vocab_size_divisible_by=8)
+    section = ModelSection(
+        arch="llama", hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=18, make_vocab_size_divisible_by=8, qkv_bias=False,
+        max_position_embeddings=32,
+    )  # fmt: skip
     dev = select_device("auto")
-    eng = HFTrainEngine(cfg, 10000.0, 32, seed=3, device=dev)
+    eng = HFTrainEngine(section, seed=3, device=dev)
+    cfg = eng.model_config
     assert {p.device.type for p in eng.parameters()} == {dev}
     assert {b.device.type for b in eng.model.buffers()} == {dev}  # rotary frequencies built there
     plan = to_hf(cfg, eng.parallel)
     flat, views = plan.allocate_inference(device=eng.device)
-    sampler = HFSampler(cfg, 10000.0, 32, views, dev)
+    sampler = HFSampler(section, views, dev)
     eng.switch(flat, plan, 1 << 20, swap=True)
     prompt = torch.tensor([1, 5, 13, 6, 16])
     toks, lps = sampler.generate([prompt], 4, 2, 0, 1.0, 1.0, torch.Generator(eng.device).manual_seed(0))

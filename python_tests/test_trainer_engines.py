@@ -3,7 +3,6 @@ real Dock, the HF engine against the sampler over allgather_swap views, and the 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -13,10 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import msrl_core  # noqa: E402
-from msrl_core.reshard import ModelConfig, Parallel, to_hf  # noqa: E402
+from msrl_core.reshard import Parallel, to_hf  # noqa: E402
+from msrl_core.trainer.config import ModelSection  # noqa: E402
 from msrl_core.trainer.grpo import pack, response_log_probs  # noqa: E402
 from msrl_core.trainer.metrics import StageClock  # noqa: E402
-from msrl_core.trainer.stages import StageError, StageRunner, grpo_stages, make_dock  # noqa: E402
+from msrl_core.trainer.stages import STREAMING, StageError, StageRunner, grpo_stages, make_dock  # noqa: E402
 from msrl_core.trainer.task import (  # noqa: E402
     CharTokenizer,
     arithmetic_records,
@@ -58,7 +58,7 @@ def test_stage_table_is_data():
     off = grpo_stages(32, 4, 2, use_reference=False, recompute_old=True)
     assert [s.name for s in off] == ["rollout", "rule_reward", "adv", "old_log_p", "update"]
     upd = off[-1]
-    assert upd.rows_per_claim == 32 and upd.gate == "train_weights" and "old_log_prob" in upd.reads
+    assert upd.rows_per_claim == 32 and upd.layout == "padded" and "old_log_prob" in upd.reads
     assert "ref_log_prob" not in upd.reads
 
 
@@ -95,48 +95,63 @@ def _tiny_runner(work_delay: float = 0.0, fail: str | None = None):
     return runner, dock, seen
 
 
+def _step(runner, clock):
+    """The trainer's order: the streaming stages in the background, rollout, join, update."""
+    with runner.iteration(clock) as stages:
+        stages.start(STREAMING)
+        stages.run("rollout")
+        stages.join()
+        stages.run("update")
+
+
 def test_runner_streams_every_row_once_per_stage():
     runner, dock, seen = _tiny_runner(work_delay=0.02)
-    gate = threading.Event()
-    runner.on_done["rollout"] = gate.set
     clock = StageClock()
-    runner.run(clock, {"train_weights": gate})
+    _step(runner, clock)
     for name, rows in seen.items():
         assert sorted(rows) == list(range(16)), name
     assert all(p["consumed_rows"] == 16 for p in dock.progress().values())
     iv = clock.intervals()
     # reference started before the rollout finished: it streamed behind it
     assert min(a for a, _ in iv["reference"]) < max(b for _, b in iv["rollout"])
-    # the update waited for the gate (opened when the rollout finished)
+    # the update ran after the rollout (the order the step writes)
     assert min(a for a, _ in iv["update"]) >= max(b for _, b in iv["rollout"])
 
 
 def test_runner_failure_names_the_stage_and_stops_the_others():
     runner, _, _ = _tiny_runner(fail="rule_reward")
-    gate = threading.Event()
-    runner.on_done["rollout"] = gate.set
     t0 = time.monotonic()
     with pytest.raises(StageError, match="stage 'rule_reward' failed: RuntimeError: rule_reward broke"):
-        runner.run(StageClock(), {"train_weights": gate})
+        _step(runner, StageClock())
     assert time.monotonic() - t0 < 30
+    runner, _, _ = _tiny_runner(fail="rollout")  # a failure in the driver's own stage stops the others too
+    with pytest.raises(StageError, match="stage 'rollout' failed: RuntimeError: rollout broke"):
+        _step(runner, StageClock())
+    assert time.monotonic() - t0 < 60
 
 
-def test_runner_deadline_when_a_gate_never_opens():
-    runner, _, _ = _tiny_runner()
+def test_runner_deadline_when_a_stage_never_gets_rows():
+    runner, dock, _ = _tiny_runner()
     runner.deadline_s = 1.0
-    with pytest.raises(StageError, match="did not finish within"):
-        runner.run(StageClock(), {"train_weights": threading.Event()})  # never set
+    with pytest.raises(StageError, match="did not finish within"), runner.iteration(StageClock()) as stages:
+        stages.start(STREAMING)  # the rollout never runs: reference waits for rows that never come
+        stages.join()
 
 
 def test_hf_engine_matches_sampler_over_allgather_swap_views():
     from msrl_core.trainer.engines.hf import HFSampler, HFTrainEngine
 
-    cfg = ModelConfig("llama", 32, 2, 4, 2, 64, vocab_size=18, make_vocab_size_divisible_by=8)
-    eng = HFTrainEngine(cfg, 10000.0, 32, seed=3)
+    section = ModelSection(
+        arch="llama", hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=18, make_vocab_size_divisible_by=8, qkv_bias=False,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    eng = HFTrainEngine(section, seed=3)
+    cfg = eng.model_config
     before = {k: v.detach().clone() for k, v in eng.params.items()}
     plan = to_hf(cfg, Parallel(tp=1))
     flat, views = plan.allocate_inference()
-    sampler = HFSampler(cfg, 10000.0, 32, views)
+    sampler = HFSampler(section, views)
     swap = msrl_core.allgather_swap(eng.params, flat, plan, eng.groups)
     assert all(p.untyped_storage().nbytes() == 0 for p in eng.params.values())  # swapped out
     prompts = [torch.tensor([1, 5, 13, 6, 16]), torch.tensor([1, 7, 13, 16])]  # different lengths: left pad

@@ -130,3 +130,81 @@ def test_score_wraps_failures_naming_function_and_prompt():
         score(lambda p, r, a: math.nan, "p", "r", "a")
     assert score(rule_reward, "2+2", "#### 4", "4") == 1.0
     assert score(lambda p, r, a: True, "p", "r", "a") == 1.0
+
+
+# ---- verl's reward signature and dict rewards -------------------------------------------------------------
+
+
+def verl_reward(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "acc": 1.0, "split": extra_info["split"]}
+
+
+def verl_reward_no_extra(data_source, solution_str, ground_truth):
+    return 0.5 if data_source == "gsm8k" else 0.0
+
+
+def test_verl_signature_is_chosen_by_its_parameter_names():
+    from msrl_core.trainer.reward import reward_style, score_record
+
+    assert reward_style(verl_reward) == "verl" and reward_style(rule_reward) == "prompt"
+    rec = {"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2", "data_source": "gsm8k"}
+    assert score_record(verl_reward, {**rec, "extra_info": {"split": 3}}, "2") == (
+        1.0,
+        {"acc": 1.0, "split": 3.0},
+    )
+    assert score_record(verl_reward_no_extra, rec, "2") == (0.5, {})  # extra_info not passed to it
+    assert score_record(rule_reward, {"prompt": "1+1=", "answer": "2"}, "2") == (1.0, {})
+
+
+def test_load_reward_fn_accepts_the_verl_signature(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1\n"
+    )
+    fn = load_reward_fn(f"{f}:compute_score")
+    assert fn(data_source="x", solution_str="y", ground_truth="z") == 1
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("high", r"returned 'high', not a number"),
+        ({"acc": 1.0}, r"returned a dict without 'score' \(keys \['acc'\]"),
+        ({"score": "x"}, r"returned 'score'='x', not a number"),
+        ({"score": 1.0, "acc": float("nan")}, r"returned 'acc'=nan, not a finite number"),
+        (None, r"returned None, not a number"),
+    ],
+)
+def test_non_number_rewards_are_clear_errors(value, message):
+    from msrl_core.trainer.reward import score_record
+
+    with pytest.raises(RewardError, match=message):
+        score_record(lambda prompt, response, answer: value, {"prompt": "p", "answer": "a"}, "r")
+
+
+def test_dict_reward_extras_are_logged_per_step(tmp_path):
+    """A dict reward's extra entries reach the step's metrics as reward/<key>/mean."""
+    import trainer_util
+    from msrl_core.trainer.run import open_session
+    from msrl_core.trainer.task import arithmetic_records, write_jsonl
+
+    recs = [
+        dict(r, data_source="arith", extra_info={"split": 2}) for r in arithmetic_records(12, 2, 5, seed=0)
+    ]
+    data = write_jsonl(recs, str(tmp_path / "d.jsonl"))
+    cfg = load_config(
+        None,
+        [
+            *trainer_util.TINY_RUN,
+            f"data.train_files={data}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"reward.fn={__file__}:verl_reward",
+        ],
+    )
+    s = open_session(cfg, log=lambda _: None)
+    try:
+        m = s.trainer.step(next(s.loader))
+    finally:
+        s.trainer.close()
+    assert m["reward/acc/mean"] == 1.0 and m["reward/split/mean"] == 2.0
+    assert 0.0 <= m["grpo/score/mean"] <= 1.0

@@ -1,7 +1,8 @@
 """The ``msrl`` command line.
 
 - ``msrl demo [key=value ...] [--ray]``: the CPU GRPO demo (synthetic arithmetic, tiny model built in code);
-- ``msrl train CONFIG.yaml [key=value ...] [--ray]``: GRPO with a YAML config and dotted overrides;
+- ``msrl train [CONFIG.yaml] [key=value ...] [--ray]``: GRPO with a YAML config and dotted overrides, e.g.
+  ``msrl train model.path=Qwen2.5-0.5B-Instruct data.train_files=gsm8k/train.parquet``;
 - ``msrl report RUN_DIR``: the summary table and plots of a run directory;
 - ``msrl info``: the runtime backends and the build (JSON).
 
@@ -12,11 +13,39 @@ on stderr and a non-zero exit code (2: config/data, 1: run failure, 130: stopped
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 
 from msrl_core import __version__
 from msrl_core.runtime import runtime_info
+
+#: What ``msrl train``/``msrl demo`` import, by module, and the distribution that brings it: exactly the
+#: ``train`` extra of pyproject.toml (a test keeps the two equal).
+TRAIN_MODULES = {
+    "torch": "torch",
+    "omegaconf": "omegaconf",
+    "safetensors": "safetensors",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "pyarrow": "pyarrow",
+    "transformers": "transformers",
+    "jinja2": "jinja2",
+    "megatron.core": "megatron-core",
+}
+
+
+def missing_train_modules() -> list[str]:
+    """The distributions of :data:`TRAIN_MODULES` this environment lacks."""
+    missing = []
+    for module, dist in TRAIN_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module stubbed out with None
+            found = False
+        if not found:
+            missing.append(dist)
+    return missing
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the CPU GRPO demo (learns a+b= in minutes)")
     _run_args(demo)
     tr = sub.add_parser("train", help="run GRPO from a YAML config")
-    tr.add_argument("config", help="YAML config (see the demo's: msrl_core/trainer/configs/demo.yaml)")
+    tr.add_argument(
+        "config",
+        nargs="?",
+        help="YAML config (optional: the defaults and key=value overrides alone also make a config)",
+    )
     _run_args(tr)
     rep = sub.add_parser("report", help="summary table and plots of a run directory")
     rep.add_argument("run_dir")
@@ -43,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    if args.command == "train" and args.config is not None and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], None  # no file, overrides only
     if args.command == "info":
         print(json.dumps({"msrl_core": __version__, **runtime_info()}, indent=2))
         return 0
@@ -54,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    missing = missing_train_modules()
+    if missing:
+        print(
+            f"msrl {args.command}: needs the 'train' extra (missing: {', '.join(missing)}): "
+            "pip install 'msrl_core[train]'",
+            file=sys.stderr,
+        )
+        return 2
     from msrl_core.errors import MsrlError
     from msrl_core.trainer.errors import ConfigError, DataError, RewardError
     from msrl_core.trainer.run import EXIT_INTERRUPTED

@@ -5,7 +5,7 @@ In: a ``torch.jagged`` NestedTensor ``[n, j, *inner]`` becomes the dock's ragged
 to back, one vectorised gather when they are not (a NestedTensor made by ``narrow``). A TensorDict with
 batch size ``[n]`` becomes ``{column: value}``: dense tensors as they are, jagged NestedTensors as
 ``Ragged``, nested TensorDicts flattened (``"a.b"``), ``NonTensorStack`` / ``NonTensorData`` as
-``ObjectValues`` (one Python value per row, for an object column).
+``ObjectValues`` (a numpy object array, one Python value per row, for an object column).
 
 Out: ragged rows as ``Ragged`` (packed), ``Padded`` (values + lengths, with ``mask``) or a jagged
 NestedTensor over the fetched values (no copy); columns back into a TensorDict (NestedTensor or padded +
@@ -36,8 +36,17 @@ ALLOWED_RAGGED = (
 LAYOUTS = ("packed", "padded", "nested")
 
 
-class ObjectValues(list):
-    """One Python value per row: the values of an object column (from a NonTensorStack/NonTensorData)."""
+class ObjectValues(np.ndarray):
+    """One Python value per row: the values of an object column (from a NonTensorStack/NonTensorData).
+    A 1-D numpy object array, like verl's ``non_tensor_batch`` entries, so that the dock declares an
+    object column for it whatever the values are (a list of ints would declare an int64 column)."""
+
+    @classmethod
+    def of(cls, values: Any) -> ObjectValues:
+        arr = np.empty(len(values), dtype=object)
+        for i, v in enumerate(values):  # item by item: np.array would stack equal-length list values
+            arr[i] = v
+        return arr.view(cls)
 
 
 def _torch() -> Any:
@@ -167,7 +176,7 @@ def _non_tensor_rows(value: Any, n: int, name: str) -> ObjectValues:
     rows = value.tolist()  # NonTensorData: n copies of its value; NonTensorStack: one value per row
     if not isinstance(rows, list) or len(rows) != n:
         raise InvalidArgument(f"column '{name}': non-tensor entry gives {type(rows).__name__} for {n} rows")
-    return ObjectValues(rows)
+    return ObjectValues.of(rows)
 
 
 def tensordict_to_columns(td: Any, sep: str = ".") -> dict[str, Any]:
@@ -230,12 +239,14 @@ def columns_to_tensordict(data: Mapping[str, Any], n: int, ragged: str = "nested
                 )
             flat[name] = _as_tensor(value.values)
             flat[f"{name}_mask"] = torch.from_numpy(np.asarray(value.mask))
-        elif isinstance(value, list):  # an object column: a NonTensorStack of one value per row
+        elif isinstance(value, list) or (isinstance(value, np.ndarray) and value.dtype == object):
+            # An object column: a NonTensorStack of one value per row.
+            value = list(value)
             if any(type(v) is list for v in value):  # from_list would stack a list value into a batch dim
                 rows = [tensordict.NonTensorData(v) for v in value]
                 flat[name] = tensordict.NonTensorStack(*rows, stack_dim=0)
             else:
-                flat[name] = tensordict.NonTensorStack.from_list(list(value))
+                flat[name] = tensordict.NonTensorStack.from_list(value)
         else:
             flat[name] = _as_tensor(value)
     nested: dict[str, Any] = {}

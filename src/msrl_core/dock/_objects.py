@@ -67,11 +67,13 @@ _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_json(value: Any, depth: int) -> bool:
-    """True when ``json`` round-trips the value exactly: str-keyed dicts, lists (no tuples), str, int,
+    """True when ``json`` round-trips the value exactly: str-keyed dicts, lists (no tuples), str, int64,
     float other than NaN (json would lose a NaN's sign and payload bits), bool, None."""
     t = type(value)
-    if t is str or t is int or t is bool or value is None:
+    if t is str or t is bool or value is None:
         return True
+    if t is int:  # huge ints go tagged: json's int <-> str conversion has a digit limit
+        return _I64_MIN <= value <= _I64_MAX
     if t is float:
         return value == value  # repr round-trips every other float exactly, -0.0 and infinities too
     if depth >= MAX_DEPTH:
@@ -316,6 +318,8 @@ class ObjectCodec:
         """Values of one object column -> (uint8 values, int64 lengths) for the dock's ragged put.
         Every value is encoded before anything is returned: an error (naming the row) leaves nothing
         to write."""
+        if isinstance(values, np.ndarray) and values.ndim == 1:
+            values = list(values)  # a numpy object array (verl's non_tensor_batch): one value per row
         if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
             raise InvalidArgument(
                 f"object column '{name}': pass a list with one value per row, got {type(values).__name__}"
@@ -359,10 +363,20 @@ def encode(
 
 
 def decode(values: Any, lengths: Any, name: str = "object", codec: ObjectCodec | None = None) -> list[Any]:
-    """The rows' values from (uint8 values, int64 lengths [n]); ``codec`` None: never unpickles."""
+    """The rows' values from (uint8 values, int64 lengths [n]); ``codec`` None: never unpickles.
+    ``values`` packed ``[total]``, or padded ``[n, width]`` (a fetch with layout='padded': the rows are
+    taken out of the padding first)."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.ndim != 1 or (lens < 0).any():
         raise InvalidArgument(f"object column '{name}': lengths must be a 1-D array of counts >= 0")
+    arr = np.asarray(values)
+    if arr.ndim == 2:
+        if arr.shape[0] != len(lens) or (len(lens) and int(lens.max()) > arr.shape[1]):
+            raise InvalidArgument(
+                f"object column '{name}': padded values {arr.shape} do not hold rows of lengths up to "
+                f"{int(lens.max()) if len(lens) else 0} for {len(lens)} rows"
+            )
+        values = arr[np.arange(arr.shape[1])[None, :] < lens[:, None]]  # row-major: rows back to back
     offsets = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     return (codec or _SAFE_ONLY).decode(values, offsets, name)

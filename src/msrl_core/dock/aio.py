@@ -1,4 +1,5 @@
-"""asyncio API over a Dock: awaitable claim / fetch / put / take (and get, where the dock has it).
+"""asyncio API over a Dock: awaitable claim / fetch / put / take (and get, where the dock has it), and
+``async for batch in adock.batches(stage, ...)``.
 
 >>> adock = AsyncDock(dock)
 >>> meta = await adock.claim("reward", max_rows=64, timeout=5.0)
@@ -38,7 +39,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -69,8 +70,8 @@ class _Waiter:
 class _Queue:
     """Waiting claims of one kind (stage + extra claim arguments), served FIFO by one thread."""
 
-    def __init__(self, owner: AsyncDock, stage: str, extra: dict[str, Any]):
-        self.owner, self.stage, self.extra = owner, stage, extra
+    def __init__(self, owner: AsyncDock, key: Any, stage: str, extra: dict[str, Any]):
+        self.owner, self.key, self.stage, self.extra = owner, key, stage, extra
         self.cond = threading.Condition()
         self.waiters: deque[_Waiter] = deque()
         self.thread: threading.Thread | None = None
@@ -113,6 +114,9 @@ class _Queue:
                 return keep[0]
             if now >= idle_until:
                 self.thread = None
+                with self.owner._lock:  # forget an idle kind (e.g. a DP round's batch=): the dict stays small
+                    if self.owner._queues.get(self.key) is self:
+                        del self.owner._queues[self.key]
                 return None
             self.cond.wait(idle_until - now)
 
@@ -242,7 +246,7 @@ class AsyncDock:
         q = self._queues.get(key)
         if q is None:
             with self._lock:
-                q = self._queues.setdefault(key, _Queue(self, stage, dict(extra)))
+                q = self._queues.setdefault(key, _Queue(self, key, stage, dict(extra)))
         return q
 
     def _resolve(self, w: _Waiter, got: Claim | BaseException) -> None:
@@ -273,12 +277,15 @@ class AsyncDock:
     async def _io(self, call: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._executor, call)
-        try:
-            return await asyncio.wait_for(fut, self.io_timeout)
-        except asyncio.TimeoutError:
+        # asyncio.wait, not wait_for: a Timeout raised by the call itself (a TimeoutError too) must reach
+        # the caller as it is, not be taken for this deadline.
+        done, _ = await asyncio.wait({fut}, timeout=self.io_timeout)
+        if not done:
+            fut.cancel()
             raise Timeout(
                 f"dock call did not finish within io_timeout={self.io_timeout} s (it may still complete)"
-            ) from None
+            )
+        return fut.result()
 
     async def fetch(self, meta: Any, columns: Sequence[str] | None = None, **fetch_args: Any) -> Batch:
         """``Dock.fetch`` on the thread pool (``layout=``, ``output=``, ... as there)."""
@@ -315,6 +322,30 @@ class AsyncDock:
             if len(meta):
                 self._give_back(meta)
             raise
+
+    async def batches(
+        self,
+        stage: str,
+        max_rows: int,
+        timeout: float,
+        min_rows: int | None = None,
+        columns: Sequence[str] | None = None,
+        max_items: int | None = None,
+        fetch_args: Mapping[str, Any] | None = None,
+        **claim_args: Any,
+    ) -> AsyncIterator[Batch]:
+        """``take`` in a loop: yields Batches until no rows come within ``timeout`` seconds (``Timeout``)
+        or the dock or this AsyncDock is closed (``Closed``), then ends. ``timeout`` must be > 0."""
+        if _check_timeout("timeout", timeout) == 0:
+            raise InvalidArgument("batches() needs timeout > 0: it ends when no rows come within it")
+        while True:
+            try:
+                batch = await self.take(
+                    stage, max_rows, timeout, min_rows, columns, max_items, fetch_args, **claim_args
+                )
+            except (Timeout, Closed):
+                return
+            yield batch
 
     # ---- lifetime --------------------------------------------------------------------------
 

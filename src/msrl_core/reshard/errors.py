@@ -26,3 +26,9 @@ class SwitchAborted(ReshardError):
 
 class SwitchTimeout(SwitchAborted, _Timeout):  # type: ignore[valid-type,misc]
     """A collective of the switch did not finish within its ``timeout`` (a peer died or hangs)."""
+
+
+class CheckpointError(ReshardError):
+    """A Hugging Face checkpoint that cannot be used: a missing or mis-shaped tensor, a missing file, a
+    ``config.json`` of an unsupported architecture or feature; the message names the file and the tensor or
+    key."""

@@ -15,7 +15,15 @@ import numpy as np
 
 from .errors import ReshardError
 from .layout import HFTensor, ModelConfig, Parallel, Target
-from .spec import check_infer, check_train, hf_targets, hf_tensors, megatron_stage_params, vllm_targets
+from .spec import (
+    check_infer,
+    check_train,
+    hf_targets,
+    hf_tensors,
+    megatron_stage_params,
+    megatron_targets,
+    vllm_targets,
+)
 
 __all__ = ["Bucket", "ReshardPlan", "StreamBucket", "megatron_to_vllm", "to_hf", "execute_numpy"]
 
@@ -87,6 +95,7 @@ class ReshardPlan:
         self._native: dict[tuple[int, int, bool], list[Any]] = {}
         self._stream: dict[tuple[int, int], tuple[list[StreamBucket], list[np.ndarray]]] = {}
         self._hf_plan: ReshardPlan | None = None
+        self._reverse: dict[tuple[int, int, int], list[Target]] = {}
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -114,6 +123,15 @@ class ReshardPlan:
 
     def train_bytes(self, stage: int) -> int:
         return sum(int(np.prod(s)) * self.itemsize for _, s, _ in self.stage_params[stage])
+
+    def megatron_targets(self, stage: int, tp_rank: int = 0, ep_rank: int = 0) -> list[Target]:
+        """The plan run in reverse: this training rank's Megatron parameters (stage-local names, local shapes)
+        as targets built from pieces of the HF checkpoint tensors (see ``spec.megatron_targets``). What
+        :func:`msrl_core.models.load_hf_checkpoint` reads from a checkpoint; the same rules as the forward."""
+        key = (stage, tp_rank, ep_rank)
+        if key not in self._reverse:
+            self._reverse[key] = megatron_targets(self.cfg, self.train, self.hf, stage, tp_rank, ep_rank)
+        return self._reverse[key]
 
     # -- inference side --------------------------------------------------------------------------
     def targets(self, infer_rank: int = 0) -> list[Target]:

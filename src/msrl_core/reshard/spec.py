@@ -472,3 +472,62 @@ def vllm_targets(cfg: ModelConfig, hf: dict[str, HFTensor], infer: Parallel, ran
     if not cfg.tie_word_embeddings:
         out.append(vocab("lm_head.weight", "lm_head.weight"))
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# the reverse direction: HF checkpoint -> one rank's Megatron shards
+
+
+def _reverse_pieces(t: HFTensor, member: int) -> list[Piece]:
+    """The pieces of HF tensor ``t`` that group member ``member`` holds, in its local parameter's rows/cols:
+    the inverse of ``t.src`` (one rule read both ways)."""
+    src = t.src
+    if src.mode == "whole":
+        # replicated (tp group): on every member; a whole expert (ep group): on its owner only
+        if src.group == "ep" and src.member != member:
+            return []
+        return [Piece(t.name, 0, t.rows, 0, t.cols, 0)]
+    if src.mode == "cols":
+        lcols = src.local_shape[1]
+        if member >= src.members:
+            return []
+        return [Piece(t.name, 0, t.rows, member * lcols, lcols, 0)]
+    assert src.row_map is not None
+    rows = np.arange(t.rows, dtype=np.int64)
+    owner, lrow = src.row_map(rows)
+    sel = owner == member
+    hr, lr = rows[sel], lrow[sel]
+    if not len(hr):
+        return []
+    brk = np.flatnonzero((np.diff(hr) != 1) | (np.diff(lr) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [len(hr)]))
+    return [Piece(t.name, int(hr[a]), int(b - a), 0, t.cols, int(lr[a])) for a, b in zip(starts, ends)]
+
+
+def megatron_targets(
+    cfg: ModelConfig, train: Parallel, hf: dict[str, HFTensor], stage: int, tp_rank: int, ep_rank: int
+) -> list[Target]:
+    """The Megatron parameters of one training rank (PP ``stage``, TP rank, EP rank) as targets built from
+    HF checkpoint pieces: :func:`hf_tensors`' sources read in reverse. ``Piece`` coordinates: HF rows/cols
+    (``row0``, ``col0``) -> local rows (``dst_row``) of the parameter seen as ``[rows, cols]``; local rows no
+    piece covers are Megatron's vocab padding (zero). A tied output layer on a later PP stage (Megatron's
+    copy of the embedding) is built from ``model.embed_tokens.weight`` by the embedding's own rule."""
+    check_train(cfg, train)
+    for what, v, n in (
+        ("stage", stage, train.pp),
+        ("tp_rank", tp_rank, train.tp),
+        ("ep_rank", ep_rank, train.ep),
+    ):
+        if not 0 <= v < n:
+            raise ReshardError(f"{what} {v} outside [0, {n})")
+    member = {"tp": tp_rank, "ep": ep_rank}
+    out = {n: Target(n, shape) for n, shape, _ in megatron_stage_params(cfg, train, stage)}
+    for t in hf.values():
+        if t.src.stage == stage:
+            out[t.src.param].pieces += _reverse_pieces(t, member[t.src.group])
+    tied = out.get("output_layer.weight")
+    if tied is not None and cfg.tie_word_embeddings:
+        emb = hf["model.embed_tokens.weight"]
+        tied.pieces += _reverse_pieces(emb, member[emb.src.group])
+    return list(out.values())

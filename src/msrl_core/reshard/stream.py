@@ -96,7 +96,7 @@ class BucketStream:
         es = self.plan.itemsize
         cplans = self.plan.native_plans(self._bucket_bytes, prep.infer_rank, stream=True)
         cur_stream = current_stream(prep.device)
-        gatherer = Gatherer(prep, self._groups)
+        gatherer = Gatherer(prep, self._groups, engine=self._engine, after=cur_stream)
         t_start = time.perf_counter()
         scratch = torch.empty(tele.gather_scratch_bytes, dtype=torch.uint8, device=prep.device)
         out = torch.empty(tele.output_scratch_bytes, dtype=torch.uint8, device=prep.device)

@@ -2,8 +2,10 @@
 
 ``checkpoints/step_<k>/`` (k = steps completed) holds
 
-- ``model.safetensors`` + ``config.json``: the policy in the Hugging Face layout (``to_hf`` through
-  ``allgather_swap``), loadable with transformers' ``from_pretrained``;
+- a Hugging Face checkpoint directory: ``model.safetensors`` + ``config.json`` (the policy in the Hugging
+  Face layout, ``to_hf`` through ``allgather_swap``), the tokenizer with its chat template and
+  ``generation_config.json``: loadable with transformers' ``from_pretrained`` and trainable again as
+  ``model.path``;
 - ``train_rank<r>.safetensors``: each training rank's Megatron-layout shard (what resume loads);
 - ``optimizer_rank<r>.pt``: the optimizer state (tensors and numbers only, read with ``weights_only=True``);
 - ``trainer_state.json``: the step and the prompt loader's position.
@@ -29,14 +31,23 @@ def step_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(run_dir) / CKPT_DIR / f"step_{step}"
 
 
-def save_hf(views: dict[str, Any], hf_config: Any, out: Path) -> None:
-    """Write the HF-layout weights (copies of the views: safetensors refuses shared storage)."""
+def save_hf(views: dict[str, Any], hf_config: Any, out: Path, tokenizer: Any = None) -> None:
+    """Write the HF-layout weights (copies of the views: safetensors refuses shared storage), the config
+    and, given a Hugging Face tokenizer, it and its generation config."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().clone().contiguous() for k, v in views.items()}, str(out / "model.safetensors"))
+    save_file(
+        {k: v.detach().clone().contiguous() for k, v in views.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if hf_config is not None:
         hf_config.to_json_file(str(out / "config.json"))
+    if tokenizer is not None and hasattr(getattr(tokenizer, "hf", None), "save_pretrained"):
+        from msrl_core.trainer.hf_build import save_tokenizer
+
+        save_tokenizer(out, tokenizer)
 
 
 def save(
@@ -46,7 +57,7 @@ def save(
     train_state: dict[str, Any],
     optimizer_state: dict[str, Any],
     trainer_state: dict[str, Any] | None,
-    hf: tuple[dict[str, Any], Any] | None,
+    hf: tuple[dict[str, Any], Any, Any] | None,
 ) -> Path:
     """Save one rank's part of the checkpoint of ``step`` (rank 0 also writes the HF weights and the
     trainer state). Returns the final directory."""
@@ -61,7 +72,7 @@ def save(
     )
     torch.save(optimizer_state, tmp / f"optimizer_rank{rank}.pt")
     if hf is not None:
-        save_hf(hf[0], hf[1], tmp)
+        save_hf(*hf[:2], tmp, tokenizer=hf[2])
     if trainer_state is not None:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         if final.exists():

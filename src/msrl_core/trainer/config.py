@@ -1,6 +1,11 @@
 """Trainer configuration: typed defaults, YAML + dotted ``key=value`` overrides (OmegaConf, as verl and
 MindSpeed-RL users type them), and validation of every impossible combination before anything starts.
 
+:func:`load_config` types the merged config once (``OmegaConf.to_object``): the rest of the trainer reads a
+:class:`TrainerConfig` of plain dataclasses, never casts. With ``model.path`` (a Hugging Face checkpoint
+directory) the model section comes from its ``config.json`` (:mod:`msrl_core.trainer.hf_dir`); a key set in
+the YAML or an override that contradicts it is an error naming both values.
+
 Batch units follow verl: ``data.global_batch_size`` and ``actor.ppo_mini_batch_size`` count prompts; each
 prompt gives ``rollout.n`` rows (responses); ``actor.micro_batch_size`` counts rows. Use
 :func:`rows_per_step` and :func:`rows_per_mini_batch` instead of recomputing them.
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -41,7 +47,10 @@ CHOICES: Mapping[str, tuple[str, ...]] = {
 
 @dataclass
 class ModelSection:
-    """A Qwen2/Llama-style decoder built in code, or started from the HF checkpoint at ``path``."""
+    """The one description of the model: a Qwen2/Llama-style decoder built in code, or (``path``) the
+    Hugging Face checkpoint directory whose ``config.json`` fills every other key of this section. Every
+    engine (Megatron, the HF engine, the HF sampler, vLLM) reads its norm epsilon, RoPE base and positions
+    from here."""
 
     arch: str = "qwen2"
     vocab_size: int = 128
@@ -50,13 +59,16 @@ class ModelSection:
     num_layers: int = 2
     num_attention_heads: int = 4
     num_query_groups: int = 2  # key/value heads (GQA)
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads (Qwen3 sets its own)
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    qkv_bias: bool = True
+    qkv_bias: bool | None = None  # None: the architecture's (Qwen2: true; Llama, Qwen3: false)
     norm_epsilon: float = 1e-6
     num_experts: int = 0  # 0: dense
     moe_intermediate_size: int = 0
+    moe_router_topk: int = 2  # experts per token (config.json's num_experts_per_tok); MoE only
+    moe_norm_topk_prob: bool = True  # renormalise the top-k routing weights (norm_topk_prob); MoE only
     dtype: str = "float32"
     make_vocab_size_divisible_by: int = 8  # Megatron pads the embedding to a multiple of this
     path: str | None = None
@@ -95,7 +107,7 @@ class RolloutSection:
     top_p: float = 1.0
     max_prompt_length: int = 64
     max_response_length: int = 64
-    gpu_memory_utilization: float = 0.5  # vLLM only
+    gpu_memory_utilization: float = 0.5  # vLLM only (rejected with rollout.engine=hf)
     claim_groups: int = 2  # prompt groups a rollout worker claims at once (smaller: earlier overlap)
 
 
@@ -109,7 +121,9 @@ class AlgorithmSection:
 
 @dataclass
 class RewardSection:
-    """The reward function, as ``pkg.module:function`` taking (prompt, response, answer) -> float."""
+    """The reward function, ``pkg.module:function`` or ``path/file.py:function``: either
+    ``fn(prompt, response, answer)`` or verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)`` (chosen by its signature); it returns a number or a dict with a ``"score"``."""
 
     fn: str = "msrl_core.trainer.reward:rule_reward"
 
@@ -121,7 +135,7 @@ class DataSection:
     train_files: str | None = None  # required (the demo writes its generated task and sets it)
     val_files: str | None = None  # None: hold out val_fraction of train_files
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str | None = None  # None: "answer", else verl's "reward_model.ground_truth"
     global_batch_size: int = 8  # prompts per step
     seed: int = 1
     val_fraction: float = 0.1
@@ -256,8 +270,9 @@ def _merge_error(exc: OmegaConfBaseException, source: str) -> ConfigError:
     return ConfigError(f"{source}: {str(exc).splitlines()[0]}")
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``dotted.key=value``).
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> TrainerConfig:
+    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``dotted.key=value``), typed
+    once into a :class:`TrainerConfig`; with ``model.path`` the model section is read from the checkpoint.
 
     Unknown keys and wrong types raise :class:`ConfigError` naming the key (and nearest valid key, or the
     value and expected type). The result is resolved and type-checked but not yet :func:`validate`-d.
@@ -277,8 +292,12 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         layers.append((f"config file {str(p)!r}", loaded))
     if overrides:
         layers.append(("override", _parse_overrides(overrides)))
+    explicit: dict[str, str] = {}  # model.* keys the YAML or an override sets, and where
     for source, layer in layers:
-        _check_keys(OmegaConf.to_container(layer, resolve=False), "", source)
+        raw = OmegaConf.to_container(layer, resolve=False)
+        _check_keys(raw, "", source)
+        if isinstance(raw, Mapping) and isinstance(raw.get("model"), Mapping):
+            explicit.update({k: source for k in raw["model"]})
         try:
             cfg = OmegaConf.merge(cfg, layer)  # type: ignore[assignment]
         except OmegaConfBaseException as exc:
@@ -287,37 +306,64 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve interpolation: {str(exc).splitlines()[0]}") from exc
-    return cfg
+    typed: TrainerConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    if typed.model.path:
+        from msrl_core.trainer.hf_dir import fill_model_section
+
+        fill_model_section(typed.model, explicit)
+    return typed
 
 
-def rows_per_step(cfg: DictConfig) -> int:
+def from_yaml(text: str) -> TrainerConfig:
+    """A :class:`TrainerConfig` from the YAML :func:`save_config` wrote (a follower rank's copy)."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainerConfig), OmegaConf.create(text))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def get(cfg: TrainerConfig, key: str) -> Any:
+    """The value of a dotted key (``"actor.lr"``)."""
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
+def rows_per_step(cfg: TrainerConfig) -> int:
     """Rows (responses) generated and trained per step: prompts per step x ``rollout.n``."""
-    return int(cfg.data.global_batch_size) * int(cfg.rollout.n)
+    return cfg.data.global_batch_size * cfg.rollout.n
 
 
-def rows_per_mini_batch(cfg: DictConfig) -> int:
+def rows_per_mini_batch(cfg: TrainerConfig) -> int:
     """Rows per optimiser step: ``actor.ppo_mini_batch_size`` prompts x ``rollout.n``."""
-    return int(cfg.actor.ppo_mini_batch_size) * int(cfg.rollout.n)
+    return cfg.actor.ppo_mini_batch_size * cfg.rollout.n
 
 
-def model_config(cfg: DictConfig) -> ModelConfig:
-    """The reshard layer's :class:`ModelConfig` for ``cfg.model`` (the same architecture, its names)."""
-    m = cfg.model
+#: Architectures with a QKV bias (and the only ones where Hugging Face can express one).
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe")
+
+
+def model_config(model: ModelSection) -> ModelConfig:
+    """The one model description (``msrl_core.models.ModelConfig``) of the model section: what every engine,
+    the reshard plan and the checkpoint writer read."""
+    m = model
     return ModelConfig(
         arch=m.arch,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups,
+        head_dim=m.head_dim,
         intermediate_size=m.ffn_hidden_size,
         vocab_size=m.vocab_size,
-        qkv_bias=m.qkv_bias,
+        qkv_bias=m.arch in QKV_BIAS_ARCHS if m.qkv_bias is None else m.qkv_bias,
         tie_word_embeddings=m.tie_word_embeddings,
         num_experts=m.num_experts,
         moe_intermediate_size=m.moe_intermediate_size,
-        qk_norm=m.arch == "qwen3",
+        moe_router_topk=m.moe_router_topk if m.num_experts else 0,
+        moe_norm_topk_prob=m.moe_norm_topk_prob if m.num_experts else None,
+        qk_norm=m.arch in ("qwen3", "qwen3_moe"),
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         dtype=m.dtype,
+        rope_theta=m.rope_theta,
+        norm_epsilon=m.norm_epsilon,
+        max_position_embeddings=m.max_position_embeddings,
     )
 
 
@@ -361,20 +407,20 @@ def _divides(problems: list[str], a_key: str, a: int, b_key: str, b: int) -> Non
         problems.append(f"{a_key}={a} does not divide {b_key}={b}; allowed: {allowed}")
 
 
-def _check_scalars(cfg: DictConfig, problems: list[str]) -> None:
+def _check_scalars(cfg: TrainerConfig, problems: list[str]) -> None:
     """Choice keys hold an allowed value; counts are positive."""
     for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
+        value = get(cfg, key)
         if value not in allowed:
             problems.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
     for keys, minimum in ((_AT_LEAST_ONE, 1), (_AT_LEAST_ZERO, 0)):
         for key in keys:
-            value = OmegaConf.select(cfg, key)
+            value = get(cfg, key)
             if value < minimum:
                 problems.append(f"{key}={value} must be >= {minimum}")
 
 
-def _check_model(cfg: DictConfig, problems: list[str]) -> None:
+def _check_model(cfg: TrainerConfig, problems: list[str]) -> None:
     """Head counts divide, MoE sizes match the arch, prompt + response fit the positions."""
     m, r = cfg.model, cfg.rollout
     _divides(problems, "model.num_attention_heads", m.num_attention_heads, "model.hidden_size", m.hidden_size)
@@ -391,6 +437,23 @@ def _check_model(cfg: DictConfig, problems: list[str]) -> None:
             f"model.arch={m.arch!r}, model.num_experts={m.num_experts}, model.moe_intermediate_size="
             f"{m.moe_intermediate_size}: MoE archs (qwen3_moe, qwen2_moe) need both > 0, dense archs both 0"
         )
+    if m.qkv_bias and m.arch not in QKV_BIAS_ARCHS:
+        problems.append(
+            f"model.qkv_bias=True with model.arch={m.arch!r}: only {', '.join(QKV_BIAS_ARCHS)} have a QKV "
+            "bias in the Hugging Face layout; use model.qkv_bias=false"
+        )
+    if m.num_experts == 0 and (
+        m.moe_router_topk != ModelSection.moe_router_topk
+        or m.moe_norm_topk_prob != ModelSection.moe_norm_topk_prob
+    ):
+        problems.append(
+            f"model.moe_router_topk={m.moe_router_topk}, model.moe_norm_topk_prob={m.moe_norm_topk_prob} "
+            "apply to MoE models only (model.num_experts > 0)"
+        )
+    elif m.num_experts and not 1 <= m.moe_router_topk <= m.num_experts:
+        problems.append(
+            f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]"
+        )
     if r.max_prompt_length + r.max_response_length > m.max_position_embeddings:
         problems.append(
             f"rollout.max_prompt_length={r.max_prompt_length} + rollout.max_response_length="
@@ -402,11 +465,11 @@ def _check_model(cfg: DictConfig, problems: list[str]) -> None:
         )
 
 
-def _check_parallel(cfg: DictConfig, problems: list[str]) -> None:
+def _check_parallel(cfg: TrainerConfig, problems: list[str]) -> None:
     """TP divides the heads and KV groups, PP the layers, EP the experts; HF engines run unsharded."""
     m, a, r = cfg.model, cfg.actor, cfg.rollout
     for side in ("actor", "rollout"):
-        tp = cfg[side].tp
+        tp = getattr(cfg, side).tp
         _divides(problems, f"{side}.tp", tp, "model.num_attention_heads", m.num_attention_heads)
         _divides(problems, f"{side}.tp", tp, "model.num_query_groups", m.num_query_groups)
     _divides(problems, "actor.pp", a.pp, "model.num_layers", m.num_layers)
@@ -414,13 +477,28 @@ def _check_parallel(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"actor.ep={a.ep} needs an MoE model (model.num_experts > 0); use actor.ep=1")
     elif a.ep > 1:
         _divides(problems, "actor.ep", a.ep, "model.num_experts", m.num_experts)
+    if a.pp > 1 and m.tie_word_embeddings:
+        problems.append(
+            f"actor.pp={a.pp} with model.tie_word_embeddings=True: the trainer's pipeline runs untied "
+            "embeddings only; use actor.pp=1"
+        )
+    if m.num_experts > 0 and a.engine != "megatron":
+        problems.append(
+            f"model.arch={m.arch!r} with actor.engine={a.engine!r}: MoE models train on the Megatron engine "
+            "(actor.engine=megatron, actor.ep to shard the experts)"
+        )
+    if r.engine == "hf" and r.gpu_memory_utilization != RolloutSection.gpu_memory_utilization:
+        problems.append(
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} applies to rollout.engine='vllm' "
+            "only; remove it or use rollout.engine=vllm"
+        )
     if a.engine == "hf" and (a.tp, a.pp, a.ep) != (1, 1, 1):
         problems.append(f"actor.engine='hf' trains with tp=pp=ep=1; got tp={a.tp}, pp={a.pp}, ep={a.ep}")
     if r.engine == "hf" and r.tp != 1:
         problems.append(f"rollout.engine='hf' samples with rollout.tp=1; got rollout.tp={r.tp}")
 
 
-def _check_batches(cfg: DictConfig, problems: list[str]) -> None:
+def _check_batches(cfg: TrainerConfig, problems: list[str]) -> None:
     """Prompts per step split into whole mini-batches; rows per mini-batch into whole micro-batches."""
     a, r, d = cfg.actor, cfg.rollout, cfg.data
     if r.n < 2 and cfg.algorithm.adv_estimator == "grpo":
@@ -441,7 +519,7 @@ def _check_batches(cfg: DictConfig, problems: list[str]) -> None:
     )
 
 
-def _check_ranges(cfg: DictConfig, problems: list[str]) -> None:
+def _check_ranges(cfg: TrainerConfig, problems: list[str]) -> None:
     """Optimiser, loss and sampling values in range; data, dock and reward settings usable."""
     a, r, d = cfg.actor, cfg.rollout, cfg.data
     try:
@@ -475,7 +553,7 @@ def _check_ranges(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(str(exc))
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: TrainerConfig) -> None:
     """Raise :class:`ConfigError` listing every impossible combination (values and what is allowed)."""
     problems: list[str] = []
     _check_scalars(cfg, problems)
@@ -486,13 +564,18 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
 
 
-def save_config(cfg: DictConfig, run_dir: str | os.PathLike[str]) -> Path:
+def to_yaml(cfg: TrainerConfig) -> str:
+    """The config as YAML (what ``config.yaml`` holds and :func:`from_yaml` reads back)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: TrainerConfig, run_dir: str | os.PathLike[str]) -> Path:
     """Write the resolved ``cfg`` to ``run_dir/config.yaml`` (atomically) and return its path."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = out / "config.yaml"
     tmp = out / ".config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
     os.replace(tmp, target)
     return target
 
@@ -502,10 +585,13 @@ __all__ = [
     "DEFAULTS",
     "ConfigError",
     "TrainerConfig",
+    "from_yaml",
+    "get",
     "load_config",
     "model_config",
     "rows_per_mini_batch",
     "rows_per_step",
     "save_config",
+    "to_yaml",
     "validate",
 ]

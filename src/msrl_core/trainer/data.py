@@ -1,8 +1,12 @@
 """Prompt data: records from local JSONL or Parquet files, a seeded held-out split, and a deterministic,
 resumable loader of shuffled prompt batches.
 
-A record is ``{"prompt": ..., "answer": str, "index": int}``; ``index`` is the record's 0-based position
-in its file, so a row can be traced back to its source line.
+A record is ``{"prompt": ..., "answer": str, "index": int}`` (plus ``data_source`` and ``extra_info`` when
+the row has them); ``index`` is the record's 0-based position in its file, so a row can be traced back to
+its source line. ``prompt`` is a string or a list of chat messages (``{"role", "content"}``).
+
+verl's layout is read as it is: ``data_source``, ``prompt`` (chat messages), ``ability``,
+``reward_model.ground_truth`` (the answer: found by the default ``data.answer_key``), ``extra_info``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ Record = dict[str, Any]
 
 #: File extensions :func:`load_prompts` reads, by format.
 FORMATS = {".jsonl": "jsonl", ".parquet": "parquet"}
+#: Where the answer is looked for when ``data.answer_key`` is not set: this trainer's, then verl's.
+ANSWER_KEYS = ("answer", "reward_model.ground_truth")
+#: Row fields a record keeps for the reward function (verl's ``compute_score`` takes them).
+PASSED_THROUGH = ("data_source", "extra_info")
 
 
 def _lookup(row: Mapping[str, Any], key: str) -> Any:
@@ -35,10 +43,22 @@ def _lookup(row: Mapping[str, Any], key: str) -> Any:
     return node
 
 
-def _record(row: Any, where: str, index: int, prompt_key: str, answer_key: str) -> Record:
+def _answer_key(row: Mapping[str, Any]) -> str:
+    for key in ANSWER_KEYS:
+        try:
+            _lookup(row, key)
+            return key
+        except KeyError:
+            continue
+    return ANSWER_KEYS[0]  # reported as missing below
+
+
+def _record(row: Any, where: str, index: int, prompt_key: str, answer_key: str | None) -> Record:
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     out: Record = {"index": index}
+    if answer_key is None:
+        answer_key = _answer_key(row)
     for name, key in (("prompt", prompt_key), ("answer", answer_key)):
         try:
             value = _lookup(row, key)
@@ -49,6 +69,9 @@ def _record(row: Any, where: str, index: int, prompt_key: str, answer_key: str) 
         if value is None:
             raise DataError(f"{where}: key {key!r} is null")
         out[name] = value if name == "prompt" else str(value)
+    for key in PASSED_THROUGH:
+        if key in row:
+            out[key] = row[key]
     prompt = out["prompt"]
     if not (
         isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, Mapping) for m in prompt))
@@ -60,7 +83,7 @@ def _record(row: Any, where: str, index: int, prompt_key: str, answer_key: str) 
     return out
 
 
-def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[Record]:
+def _read_jsonl(path: Path, prompt_key: str, answer_key: str | None) -> list[Record]:
     records: list[Record] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -75,7 +98,7 @@ def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[Record]:
     return records
 
 
-def _read_parquet(path: Path, prompt_key: str, answer_key: str) -> list[Record]:
+def _read_parquet(path: Path, prompt_key: str, answer_key: str | None) -> list[Record]:
     import pyarrow.parquet as pq  # optional dependency, only for Parquet input
 
     try:
@@ -86,12 +109,13 @@ def _read_parquet(path: Path, prompt_key: str, answer_key: str) -> list[Record]:
 
 
 def load_prompts(
-    path: str | os.PathLike[str], prompt_key: str = "prompt", answer_key: str = "answer"
+    path: str | os.PathLike[str], prompt_key: str = "prompt", answer_key: str | None = None
 ) -> list[Record]:
     """Read every record of a ``.jsonl`` (one JSON object per line) or ``.parquet`` file.
 
-    Raises :class:`DataError` naming the path if it is missing or of an unknown type, the file and line of
-    a malformed line, and the key and line of a missing ``prompt_key``/``answer_key``.
+    ``answer_key`` None: the first of :data:`ANSWER_KEYS` the row has. Raises :class:`DataError` naming the
+    path if it is missing or of an unknown type, the file and line of a malformed line, and the key and
+    line of a missing ``prompt_key``/``answer_key``.
     """
     p = Path(path)
     kind = FORMATS.get(p.suffix.lower())

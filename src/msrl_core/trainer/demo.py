@@ -1,6 +1,9 @@
-"""``msrl demo``: the shipped CPU demo. It writes the synthetic arithmetic task (``a+b=``) into the run
-directory, runs a short format-only warm-up (:mod:`msrl_core.trainer.warmup`), then GRPO with the shipped
-config ``configs/demo.yaml``. Overrides: trainer keys as in ``msrl train`` (``trainer.seed=2``), and the
+"""``msrl demo``: the shipped CPU demo, through the path users run. It writes the synthetic arithmetic task
+(``a+b=``) and a freshly initialised model with its tokenizer (the task's characters as a Hugging Face
+tokenizer with a chat template: :mod:`msrl_core.trainer.hf_build`) into the run directory, trains from
+that directory as ``model.path``, runs a short format-only warm-up (:mod:`msrl_core.trainer.warmup`),
+then GRPO with the shipped config ``configs/demo.yaml``. Overrides: trainer keys as in ``msrl train``
+(``trainer.seed=2``), and the
 demo's own ``demo.*`` keys (:class:`DemoSettings`).
 """
 
@@ -63,8 +66,17 @@ def prepare(overrides: Sequence[str]) -> tuple[Any, DemoSettings]:
     cfg = load_config(demo_config_path(), rest)
     run_dir = Path(cfg.trainer.output_dir)
     if not cfg.data.train_files:
-        recs = arithmetic_records(settings.records, settings.max_a, settings.max_b, seed=int(cfg.data.seed))
+        recs = arithmetic_records(settings.records, settings.max_a, settings.max_b, seed=cfg.data.seed)
         cfg.data.train_files = write_jsonl(recs, str(run_dir / "data" / "arithmetic.jsonl"))
+    if not cfg.model.path:  # the demo's model: a Hugging Face directory, trained from as model.path
+        from msrl_core.trainer.hf_build import char_tokenizer, write_model_dir
+        from msrl_core.trainer.hf_dir import fill_model_section
+
+        model_dir = run_dir / "model"
+        if not (cfg.trainer.resume and (model_dir / "config.json").is_file()):
+            write_model_dir(model_dir, cfg.model, char_tokenizer(), seed=cfg.trainer.seed)
+        cfg.model.path = str(model_dir)
+        fill_model_section(cfg.model, {})
     return cfg, settings
 
 

@@ -1,35 +1,40 @@
-"""The GRPO trainer: engines, the weight switch and the stage table over one ``Dock`` per iteration.
+"""The GRPO trainer: engines, the weight switch and the stages of one step over one ``Dock``.
 
-One step:
+One step (:meth:`GRPOTrainer.step`) reads top to bottom, like verl's ``fit``:
 
 1. ``allgather_swap`` fills the rollout engine's HF-layout weights from the training shards and swaps the
    training weights out to pinned host memory (``timing/resharding_to_infer``);
-2. the prompts of the step are put into the dock (``rollout.n`` rows each, one group per prompt) and the
-   stage workers run (:mod:`msrl_core.trainer.stages`): rollout samples group by group while reference and
-   rule_reward score the groups already sampled and adv normalises them;
-3. when the rollout has consumed every row, ``swap_back()`` + ``wait()`` bring the training weights back
-   (``timing/resharding_to_train``), which opens the gate of old_log_p and update;
-4. update runs ``ppo_epochs`` x mini-batches of the clipped GRPO loss.
+2. the prompts of the step go into the dock (``rollout.n`` rows each, one group per prompt);
+3. reference, rule_reward and adv start in the background: each claims a group as soon as the rollout has
+   put it (they overlap the rollout, as in MindSpeed-RL's transfer dock);
+4. rollout samples every group; then the training weights come back (``timing/resharding_to_train``);
+5. old_log_p (off-policy only: several mini-batches or epochs) recomputes the old log-probs;
+6. the background stages finish; update runs ``ppo_epochs`` x mini-batches of the clipped GRPO loss.
 
-The trainer moves no data of its own: samples go through the dock, weights through ``allgather_swap``.
+Every stage is one timed call whose work returns its outputs (the dock columns it writes) and its metrics.
+The trainer moves no data of its own: samples go through the dock, weights through ``allgather_swap``;
+model stages fetch their rows padded by the dock (one ``[rows, width]`` tensor per column).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from msrl_core import Ragged
 from msrl_core.reshard import to_hf
 from msrl_core.trainer import algorithm as A
 from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
 from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
-from msrl_core.trainer.stages import StageRunner, Work, grpo_stages, make_dock
+from msrl_core.trainer.reward import score_record
+from msrl_core.trainer.stages import STREAMING, StageRunner, Work, grpo_stages, make_dock
 
 
 @dataclass
@@ -47,29 +52,46 @@ class Packed:
 
 
 def pack(prompts: Any, responses: Any, pad_id: int) -> Packed:
-    ps = [torch.as_tensor(np.asarray(p)) for p in prompts]
-    rs = [torch.as_tensor(np.asarray(r)) for r in responses]
-    B = len(ps)
-    L = max(len(p) + len(r) for p, r in zip(ps, rs))
-    R = max(1, max(len(r) for r in rs))
-    tokens = torch.full((B, L), pad_id, dtype=torch.int64)
-    pos = torch.zeros((B, R), dtype=torch.int64)
-    resp = torch.full((B, R), pad_id, dtype=torch.int64)
-    mask = torch.zeros((B, R), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(ps, rs)):
-        tokens[i, : len(p)] = p
-        tokens[i, len(p) : len(p) + len(r)] = r
-        resp[i, : len(r)] = r
-        mask[i, : len(r)] = 1.0
-        pos[i] = (len(p) - 1 + torch.arange(R)).clamp(max=L - 1)
-    return Packed(tokens, pos, resp, mask)
+    """Prompt + response rows from the dock's padded columns (``Padded``: values ``[B, W]``, lengths), in
+    one vectorised pass; lists of per-row arrays (tests, the warm-up) are padded first."""
+    P, plen = _padded(prompts, pad_id)
+    R, rlen = _padded(responses, pad_id)
+    B, Wp = P.shape
+    Wr = max(1, R.shape[1])
+    if R.shape[1] == 0:
+        R = torch.full((B, 1), pad_id, dtype=torch.int64)
+    rmask = torch.arange(Wr)[None, :] < rlen[:, None]
+    L = int((plen + rlen).max())
+    tokens = torch.full((B, Wp + Wr), pad_id, dtype=torch.int64)
+    tokens[:, :Wp] = torch.where(torch.arange(Wp)[None, :] < plen[:, None], P, pad_id)
+    resp = torch.where(rmask, R, pad_id)
+    tokens.scatter_(1, plen[:, None] + torch.arange(Wr)[None, :], resp)
+    tokens = tokens[:, :L]
+    pos = ((plen - 1)[:, None] + torch.arange(Wr)[None, :]).clamp(max=L - 1)
+    return Packed(tokens, pos, resp, rmask.float())
 
 
-def padded(rows: Any, width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(np.asarray(r))
+def _padded(x: Any, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values [B, W] int64, lengths [B])`` of a dock ``Padded`` column or a list of per-row arrays."""
+    if hasattr(x, "lengths") and hasattr(x, "values"):
+        return torch.as_tensor(x.values).long(), torch.as_tensor(np.asarray(x.lengths), dtype=torch.int64)
+    rows = [torch.as_tensor(np.asarray(r), dtype=torch.int64) for r in x]
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id), lengths
+
+
+def padded(col: Any, width: int) -> torch.Tensor:
+    """A dock ``Padded`` float column as a ``[B, width]`` float32 tensor (zeros past each row's length)."""
+    v = torch.as_tensor(col.values, dtype=torch.float32)
+    out = torch.zeros((v.shape[0], width), dtype=torch.float32)
+    out[:, : v.shape[1]] = v * col.mask
     return out
+
+
+def ragged(values: torch.Tensor, lengths: torch.Tensor, dtype: Any) -> Ragged:
+    """Right-padded ``[B, W]`` rows of ``lengths`` as the dock's ``Ragged`` (one masked select)."""
+    mask = torch.arange(values.shape[1], device=values.device)[None, :] < lengths[:, None]
+    return Ragged.from_lengths(values[mask].detach().cpu().numpy().astype(dtype), lengths.cpu().numpy())
 
 
 def response_log_probs(
@@ -84,25 +106,60 @@ def response_log_probs(
     return lp, (A.entropy_from_logits(at) if entropy else None)
 
 
-def _ragged_out(values: list[torch.Tensor], dtype: Any) -> list[np.ndarray]:
-    return [v.detach().cpu().numpy().astype(dtype) for v in values]
+#: The update's token count (prompt + response tokens of the step), for ``e2e_tps``.
+TOKENS = "_tokens"
+
+
+def loss_settings(actor: Any) -> dict[str, Any]:
+    """The loss knobs of the actor section, as :func:`msrl_core.trainer.algorithm.actor_loss` takes them."""
+    return {
+        "clip_ratio_low": actor.clip_ratio_low,
+        "clip_ratio_high": actor.clip_ratio_high,
+        "kl_loss_coef": actor.kl_loss_coef,
+        "kl_loss_type": actor.kl_loss_type,
+        "entropy_coeff": actor.entropy_coeff,
+        "loss_agg_mode": actor.loss_agg_mode,
+    }
+
+
+def on_policy(cfg: Any) -> bool:
+    """Exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy."""
+    return cfg.actor.ppo_epochs == 1 and rows_per_mini_batch(cfg) == rows_per_step(cfg)
+
+
+def stage_table(cfg: Any) -> list[Any]:
+    """The stages of one step for ``cfg`` (:func:`msrl_core.trainer.stages.grpo_stages`)."""
+    return grpo_stages(
+        rows_per_step(cfg),
+        cfg.rollout.n,
+        claim_groups=cfg.rollout.claim_groups,
+        use_reference=cfg.actor.kl_loss_coef != 0.0,
+        recompute_old=not on_policy(cfg),
+    )
 
 
 class RewardWork:
     """The rule_reward stage: scores each row's decoded response with the reward function against its
-    record's answer. Picklable, so a Ray stage actor can run it: only ``(prompt, answer)`` of the records
-    travel, and the reward function is imported again from ``spec`` (``reward.fn``) inside the actor."""
+    record (:func:`msrl_core.trainer.reward.score_record`: this trainer's signature or verl's), and reports a
+    dict reward's extra entries as ``reward/<key>/mean``. Picklable, so a Ray stage actor can run it: only
+    the fields a reward takes travel, and the reward function is imported again from ``spec``
+    (``reward.fn``) inside the actor."""
 
-    def __init__(self, records: list[dict], tokenizer: Any, fn: Any, score: Any, spec: str | None) -> None:
-        self.items = [(r["prompt"], r["answer"]) for r in records]
-        self.tok, self.fn, self.score, self.spec = tokenizer, fn, score, spec
+    FIELDS = ("prompt", "answer", "data_source", "extra_info")
 
-    def __call__(self, batch: Any) -> dict[str, Any]:
-        scores = []
+    def __init__(self, records: list[dict], tokenizer: Any, fn: Any, spec: str | None) -> None:
+        self.items = [{k: r[k] for k in self.FIELDS if k in r} for r in records]
+        self.tok, self.fn, self.spec = tokenizer, fn, spec
+
+    def __call__(self, batch: Any) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        scores: list[float] = []
+        extras: dict[str, list[float]] = {}
         for r, i in zip(batch["responses"], np.asarray(batch["index"]).tolist()):
-            prompt, answer = self.items[i]
-            scores.append(self.score(self.fn, prompt, self.tok.decode(r), answer))
-        return {"scores": np.asarray(scores, dtype=np.float32)}
+            value, extra = score_record(self.fn, self.items[i], self.tok.decode(r))
+            scores.append(value)
+            for k, v in extra.items():
+                extras.setdefault(f"reward/{k}/mean", []).append(v)
+        return {"scores": np.asarray(scores, dtype=np.float32)}, extras
 
     def __getstate__(self) -> dict[str, Any]:
         if self.spec is None:
@@ -137,9 +194,10 @@ class GRPOTrainer:
     """Engines, optimizer, dock and stage table of one run.
 
     ``records``: the training prompts (``{"prompt", "answer", ...}``); rows carry their position in this
-    list through the dock's ``index`` column. ``reward_fn(prompt, response, answer) -> float`` is called
-    through ``score`` (which names the function and the prompt when it fails). ``sampler_factory(views)``
-    builds the rollout engine over the HF-layout views that ``allgather_swap`` fills.
+    list through the dock's ``index`` column. ``reward_fn`` is called through
+    :func:`msrl_core.trainer.reward.score_record` (either signature; failures name the function and the
+    prompt). ``sampler_factory(views)`` builds the rollout engine over the HF-layout views that
+    ``allgather_swap`` fills.
     """
 
     def __init__(
@@ -148,7 +206,6 @@ class GRPOTrainer:
         tokenizer: Any,
         records: list[dict],
         reward_fn: Any,
-        score: Any,
         train_engine: Any,
         sampler_factory: Any,
         swap: bool | None = None,
@@ -156,44 +213,37 @@ class GRPOTrainer:
     ) -> None:
         self.cfg, self.tok = cfg, tokenizer
         self.records = records
-        self.reward_fn, self._score = reward_fn, score
+        self.reward_fn = reward_fn
         self.engine = train_engine
-        self.swap_enabled = bool(cfg.reshard.swap) if swap is None else swap
-        self.n = int(cfg.rollout.n)
+        self.swap_enabled = cfg.reshard.swap if swap is None else swap
+        self.n = cfg.rollout.n
         self.batch_rows = rows_per_step(cfg)
         self.mini_batch_rows = rows_per_mini_batch(cfg)
-        self.temperature = float(cfg.rollout.temperature)
+        self.temperature = cfg.rollout.temperature
         a = cfg.actor
-        # exactly on-policy (one epoch, one mini-batch): the update's own first forward is the old policy
-        self.on_policy = int(a.ppo_epochs) == 1 and self.mini_batch_rows == self.batch_rows
-        self.use_reference = float(a.kl_loss_coef) != 0.0
+        self.on_policy = on_policy(cfg)
+        self.use_reference = a.kl_loss_coef != 0.0
         self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
-        self.engine.init_optimizer(float(a.lr), float(a.weight_decay))
+        self.engine.init_optimizer(a.lr, a.weight_decay)
         # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
         self.device = train_engine.device  # a torch.device: the engines' tensors live there
         self.plan = to_hf(self.engine.model_config, self.engine.parallel)
         self.flat, self.views = self.plan.allocate_inference(device=self.device)
         self.sampler = sampler_factory(self.views)
-        self.stages = grpo_stages(
-            self.batch_rows,
-            self.n,
-            claim_groups=int(cfg.rollout.claim_groups),
-            use_reference=self.use_reference,
-            recompute_old=not self.on_policy,
-        )
+        self.stages = stage_table(cfg)
         opts = dict(dock_options or {})
         if cfg.dock.backend == "ray" and cfg.dock.ray_address:
             opts.setdefault("ray_address", cfg.dock.ray_address)
         elif cfg.dock.backend == "ray":  # no Ray running: a small loopback one (the dock starts it)
             opts.setdefault("ray_init", LOOPBACK_RAY)
         self.dock = make_dock(
-            self.stages, self.batch_rows, self.n, int(cfg.dock.warehouses), backend=cfg.dock.backend, **opts
+            self.stages, self.batch_rows, self.n, cfg.dock.warehouses, backend=cfg.dock.backend, **opts
         )
         work: dict[str, Work] = {
             "rollout": self._rollout,
             "reference": self._reference,
-            "rule_reward": RewardWork(records, tokenizer, reward_fn, score, getattr(cfg.reward, "fn", None)),
-            "adv": AdvWork(self.n, bool(cfg.algorithm.norm_adv_by_std)),
+            "rule_reward": RewardWork(records, tokenizer, reward_fn, cfg.reward.fn),
+            "adv": AdvWork(self.n, cfg.algorithm.norm_adv_by_std),
             "old_log_p": self._old_log_p,
             "update": self._update,
         }
@@ -201,37 +251,37 @@ class GRPOTrainer:
             self.dock,
             self.stages,
             work,
-            deadline_s=float(cfg.trainer.step_timeout_s),
+            deadline_s=cfg.trainer.step_timeout_s,
             remote=cfg.dock.backend == "ray",
         )
         self.step_index = 0
-        self._swap: Any = None
         self._gen = torch.Generator(device=self.device)
-        self._upd_metrics: dict[str, float] = {}
-        self._tokens = 0
 
     # ---- stage work ----------------------------------------------------------------------------------
 
     def _rollout(self, batch: Any) -> dict[str, Any]:
-        prompts = [torch.as_tensor(np.asarray(p)) for p in batch["prompts"]]
+        col = batch["prompts"]  # Ragged: the sampler takes one tensor per prompt (views of one array)
+        prompts = list(torch.as_tensor(col.values).split(np.diff(np.asarray(col.offsets)).tolist()))
         r = self.cfg.rollout
-        toks, lps = self.sampler.generate(
+        toks, lps, lengths = self.sampler.generate_padded(
             prompts,
-            int(r.max_response_length),
-            self.tok.eos_id,
+            r.max_response_length,
+            self.tok.eos_ids,
             self.tok.pad_id,
             self.temperature,
-            float(r.top_p),
+            r.top_p,
             self._gen,
         )
-        return {"responses": _ragged_out(toks, np.int64), "rollout_log_prob": _ragged_out(lps, np.float32)}
+        return {
+            "responses": ragged(toks, lengths, np.int64),
+            "rollout_log_prob": ragged(lps, lengths, np.float32),
+        }
 
-    def _logp_of(self, engine: Any, batch: Any) -> list[np.ndarray]:
+    def _logp_of(self, engine: Any, batch: Any) -> Ragged:
         pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(self.device)
         with torch.no_grad():
             lp, _ = response_log_probs(engine, pk, slice(None), self.temperature)
-        lens = pk.mask.sum(1).long().tolist()
-        return _ragged_out([lp[i, :n] for i, n in enumerate(lens)], np.float32)
+        return ragged(lp, pk.mask.sum(1).long(), np.float32)
 
     def _reference(self, batch: Any) -> dict[str, Any]:
         return {"ref_log_prob": self._logp_of(self.ref_engine, batch)}
@@ -239,7 +289,7 @@ class GRPOTrainer:
     def _old_log_p(self, batch: Any) -> dict[str, Any]:
         return {"old_log_prob": self._logp_of(self.engine, batch)}
 
-    def _update(self, batch: Any) -> None:
+    def _update(self, batch: Any) -> tuple[None, dict[str, list[float]]]:
         a = self.cfg.actor
         dev = self.device
         pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(dev)
@@ -248,8 +298,8 @@ class GRPOTrainer:
         rollout_lp = padded(batch["rollout_log_prob"], R).to(dev)
         ref_lp = padded(batch["ref_log_prob"], R).to(dev) if self.use_reference else None
         old_lp = None if self.on_policy else padded(batch["old_log_prob"], R).to(dev)
-        order = A.mini_batches(len(adv), self.mini_batch_rows, int(a.ppo_epochs), seed=self._step_seed())
-        micro = int(a.micro_batch_size)
+        order = A.mini_batches(len(adv), self.mini_batch_rows, a.ppo_epochs, seed=self._step_seed())
+        micro = a.micro_batch_size
         sums: dict[str, list[float]] = {}
         first_old = torch.zeros_like(rollout_lp)
         for mb_i, mb in enumerate(order):
@@ -273,12 +323,7 @@ class GRPOTrainer:
                     adv[rows],
                     pk.mask[rows],
                     ent,
-                    clip_ratio_low=float(a.clip_ratio_low),
-                    clip_ratio_high=float(a.clip_ratio_high),
-                    kl_loss_coef=float(a.kl_loss_coef),
-                    kl_loss_type=str(a.kl_loss_type),
-                    entropy_coeff=float(a.entropy_coeff),
-                    loss_agg_mode=str(a.loss_agg_mode),
+                    **loss_settings(a),
                     num_tokens=ntok,
                     num_seqs=nseq,
                 )
@@ -287,24 +332,22 @@ class GRPOTrainer:
                 loss.backward()
                 for k, v in m.items():  # micro-batch shares: they sum to the mini-batch's value
                     acc[k] = acc.get(k, 0.0) + v
-            acc["actor/grad_norm"] = self.engine.clip_and_step(float(a.clip_grad))
+            acc["actor/grad_norm"] = self.engine.clip_and_step(a.clip_grad)
             for k, v in acc.items():
                 sums.setdefault(k, []).append(v)
         trainer_lp = first_old if old_lp is None else old_lp
         d = (trainer_lp - rollout_lp).abs()[pk.mask.bool()]
-        self._upd_metrics = {k: float(np.mean(v)) for k, v in sums.items()}
-        self._upd_metrics["training/rollout_probs_diff_max"] = float(d.max()) if d.numel() else 0.0
-        self._upd_metrics["training/rollout_probs_diff_mean"] = float(d.mean()) if d.numel() else 0.0
-        self._upd_metrics["response_length/mean"] = float(pk.mask.sum(1).mean())
-        self._tokens = int(pk.mask.sum()) + sum(len(p) for p in batch["prompts"])
+        out = {k: [float(np.mean(v))] for k, v in sums.items()}
+        out["training/rollout_probs_diff_max"] = [float(d.max()) if d.numel() else 0.0]
+        out["training/rollout_probs_diff_mean"] = [float(d.mean()) if d.numel() else 0.0]
+        out["response_length/mean"] = [float(pk.mask.sum(1).mean())]
+        out[TOKENS] = [float(pk.mask.sum()) + float(np.asarray(batch["prompts"].lengths).sum())]
+        return None, out
 
     # ---- weights ------------------------------------------------------------------------------------
 
     def _switch_to_rollout(self, swap: bool) -> Any:
-        return self.engine.switch(self.flat, self.plan, int(self.cfg.reshard.bucket_mb) << 20, swap)
-
-    def _weights_back(self) -> None:
-        self.engine.switch_back()
+        return self.engine.switch(self.flat, self.plan, self.cfg.reshard.bucket_mb << 20, swap)
 
     def hf_weights(self) -> dict[str, Any]:
         """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
@@ -312,70 +355,79 @@ class GRPOTrainer:
         self.sampler.on_switch()
         return self.views
 
-    # ---- one step ------------------------------------------------------------------------------------
-
-    def _step_seed(self) -> int:
-        return int(self.cfg.trainer.seed) * 100_003 + self.step_index
-
-    def step(self, batch_records: list[dict], val_records: list[dict] | None = None) -> dict[str, float]:
-        """One GRPO iteration over ``batch_records`` (each with ``"_row"``, its index in ``records``).
-        With ``val_records``, also scores them with greedy decoding on the rollout weights of this step
-        (the policy before this step's update) as ``val/score/mean``."""
-        t_all = time.perf_counter()
-        self._gen.manual_seed(self._step_seed())
-        clock = StageClock()
-        gate = threading.Event()
-        metrics: dict[str, float] = {}
-        self.dock.reset()
-        # 1. weights -> rollout engine (the training copy swapped out to pinned host memory)
-        t0 = time.perf_counter()
-        self._swap = self._switch_to_rollout(self.swap_enabled)
+    @contextlib.contextmanager
+    def rollout_weights(self, metrics: dict[str, float]) -> Iterator[None]:
+        """The rollout engine holds the policy inside this block (the training copy swapped out to pinned
+        host memory); on leaving it, also on an error, the training weights come back (the one place)."""
+        t = time.perf_counter()
+        swap = self._switch_to_rollout(self.swap_enabled)
         self.sampler.on_switch()  # a live engine (vLLM) loads the switched weights; HF reads the views
-        metrics["timing/resharding_to_infer"] = time.perf_counter() - t0
-        tele = dict(self._swap.telemetry)
-        back_s = [0.0]
-
-        def weights_back() -> None:
+        metrics["timing/resharding_to_infer"] = time.perf_counter() - t
+        metrics.update(
+            {f"reshard/{k}": float(v) for k, v in swap.telemetry.items() if isinstance(v, (int, float))}
+        )
+        try:
+            yield
+        finally:
             t = time.perf_counter()
             release = getattr(self.sampler, "release", None)  # vLLM: sleep, its memory goes to training
             if release is not None:
                 release()
-            self._weights_back()
-            back_s[0] = time.perf_counter() - t
-            gate.set()
+            self.engine.switch_back()
+            metrics["timing/resharding_to_train"] = time.perf_counter() - t
 
-        self.runner.on_done["rollout"] = weights_back
-        try:
-            if val_records:
-                t = time.perf_counter()
-                metrics["val/score/mean"] = self.validate(val_records)
-                metrics["timing/val"] = time.perf_counter() - t
-            # 2. prompts in: one group of n rows per prompt
-            prompts = [np.asarray(self.tok.encode(r["prompt"]), np.int64) for r in batch_records]
-            self.dock.put(
-                {
-                    "prompts": [p for p in prompts for _ in range(self.n)],
-                    "index": np.repeat(np.asarray([r["_row"] for r in batch_records], np.int64), self.n),
-                }
-            )
-            # 3. the stage table: rollout -> (reference, rule_reward, adv) streaming; old_log_p, update gated
-            self.runner.run(clock, {"train_weights": gate})
-        finally:
-            self._weights_back()  # on a failure before the rollout finished, the weights come back anyway
-        progress = self.dock.progress()
+    def _step_seed(self) -> int:
+        return self.cfg.trainer.seed * 100_003 + self.step_index
+
+    def _put_prompts(self, batch_records: list[dict]) -> None:
+        """The step's prompts into the dock: one group of ``rollout.n`` rows per prompt."""
+        lengths = np.asarray([len(r["prompt_ids"]) for r in batch_records], np.int64)
+        values = np.concatenate([r["prompt_ids"] for r in batch_records])  # tokenized once, when read
+        group = Ragged.from_lengths(values, lengths)
+        rows = np.repeat(np.arange(len(batch_records)), self.n)
+        starts = np.asarray(group.offsets[:-1])[rows]
+        idx = (starts[:, None] + np.arange(lengths.max())[None, :])[
+            np.arange(lengths.max()) < lengths[rows, None]
+        ]
+        self.dock.put(
+            {
+                "prompts": Ragged.from_lengths(values[idx], lengths[rows]),
+                "index": np.repeat(np.asarray([r["_row"] for r in batch_records], np.int64), self.n),
+            }
+        )
+
+    def step(self, batch_records: list[dict], val_records: list[dict] | None = None) -> dict[str, float]:
+        """One GRPO iteration over ``batch_records`` (each with ``"_row"``, its index in ``records``, and
+        ``"prompt_ids"``). With ``val_records``, also scores them with greedy decoding on the rollout
+        weights of this step (the policy before this step's update) as ``val/score/mean``."""
+        t_all = time.perf_counter()
+        self._gen.manual_seed(self._step_seed())
+        clock = StageClock()
+        m: dict[str, float] = {}
+        self.dock.reset()
+        with self.runner.iteration(clock) as stages:
+            with self.rollout_weights(m):
+                if val_records:
+                    t = time.perf_counter()
+                    m["val/score/mean"] = self.validate(val_records)
+                    m["timing/val"] = time.perf_counter() - t
+                self._put_prompts(batch_records)
+                stages.start(STREAMING)  # reference, rule_reward, adv: each group as the rollout puts it
+                stages.run("rollout")
+            if not self.on_policy:
+                stages.run("old_log_p")
+            stages.join()
+            stages.run("update")
+        m.update(self.runner.metric_means())  # the update's, and e.g. a dict reward's reward/<key>/mean
+        tokens = m.pop(TOKENS)
         scores = self.dock.fetch(np.arange(self.batch_rows), ["scores"])["scores"]
-        total = time.perf_counter() - t_all - metrics.get("timing/val", 0.0)  # the step without validation
-        metrics.update(self._upd_metrics)
-        metrics["grpo/score/mean"] = float(np.mean(scores))
-        metrics["timing/resharding_to_train"] = back_s[0]
-        metrics.update(overlap_timings(clock.intervals(), total))
-        metrics["e2e_tps"] = e2e_tps(self._tokens, total, self.world_size())
-        for k, v in tele.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                metrics[f"reshard/{k}"] = float(v)
-        metrics.update(_dock_metrics(self.dock.stats(), progress, self.runner.counts))
+        total = time.perf_counter() - t_all - m.get("timing/val", 0.0)  # the step without validation
+        m["grpo/score/mean"] = float(np.mean(scores))
+        m.update(overlap_timings(clock.intervals(), total))
+        m["e2e_tps"] = e2e_tps(int(tokens), total, self.world_size())
+        m.update(_dock_metrics(self.dock.stats(), self.dock.progress(), self.runner.counts))
         self.step_index += 1
-        return metrics
+        return m
 
     @torch.no_grad()
     def validate(self, records: list[dict]) -> float:
@@ -385,11 +437,11 @@ class GRPOTrainer:
         r = self.cfg.rollout
         for s in range(0, len(records), 64):
             chunk = records[s : s + 64]
-            prompts = [torch.as_tensor(self.tok.encode(x["prompt"])) for x in chunk]
+            prompts = [torch.as_tensor(x["prompt_ids"]) for x in chunk]
             toks, _ = self.sampler.generate(
                 prompts,
-                int(r.max_response_length),
-                self.tok.eos_id,
+                r.max_response_length,
+                self.tok.eos_ids,
                 self.tok.pad_id,
                 1.0,
                 1.0,
@@ -397,7 +449,7 @@ class GRPOTrainer:
                 greedy=True,
             )
             for x, t in zip(chunk, toks):
-                total += self._score(self.reward_fn, x["prompt"], self.tok.decode(t.tolist()), x["answer"])
+                total += score_record(self.reward_fn, x, self.tok.decode(t.tolist()))[0]
         return total / max(1, len(records))
 
     def close(self) -> None:

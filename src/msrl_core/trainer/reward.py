@@ -2,7 +2,14 @@
 from ``reward.fn = "pkg.module:function"``, and :func:`score`, which turns a user function's failure into
 a :class:`RewardError` naming the function and the prompt.
 
-A reward function takes ``(prompt, response, answer)`` and returns a finite float.
+Two signatures, told apart by the parameter names (:func:`reward_style`):
+
+- ``fn(prompt, response, answer)`` (this trainer's);
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``, called with keywords
+  as verl calls it (``extra_info`` only when the function takes it).
+
+Either returns a finite number, or a dict with a numeric ``"score"`` whose other numeric entries are logged
+as ``reward/<key>/mean`` (verl's ``reward_extra_info``).
 """
 
 from __future__ import annotations
@@ -104,9 +111,29 @@ def _import_module(module: str, spec: str) -> Any:
         ) from exc
 
 
+#: verl's reward-function parameters (``verl.utils.reward_score.default_compute_score``).
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
+
+
+def reward_style(fn: Callable[..., Any]) -> str:
+    """``"verl"`` when ``fn`` takes verl's ``data_source, solution_str, ground_truth`` by name, else
+    ``"prompt"`` (``fn(prompt, response, answer)``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except ValueError:  # builtins without a signature
+        return "prompt"
+    return "verl" if all(p in params for p in VERL_PARAMS) else "prompt"
+
+
+def _takes_extra_info(fn: Callable[..., Any]) -> bool:
+    params = inspect.signature(fn).parameters
+    return "extra_info" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def load_reward_fn(spec: str) -> RewardFn:
     """Import ``"pkg.module:function"`` (or ``"path/to/file.py:function"``) and check it can be called as
-    ``fn(prompt, response, answer)``. Raises :class:`ConfigError` saying which part is wrong."""
+    ``fn(prompt, response, answer)`` or as verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)``. Raises :class:`ConfigError` saying which part is wrong."""
     m = _SPEC.match(spec.strip())
     if m is None:
         raise ConfigError(f"reward.fn={spec!r} must be of the form pkg.module:function")
@@ -122,11 +149,15 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise ConfigError(f"reward.fn={spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
     try:
-        inspect.signature(obj).bind("prompt", "response", "answer")
+        if reward_style(obj) == "verl":
+            inspect.signature(obj).bind(data_source="d", solution_str="s", ground_truth="g")
+        else:
+            inspect.signature(obj).bind("prompt", "response", "answer")
     except TypeError:
         raise ConfigError(
             f"reward.fn={spec!r}: {attr}{inspect.signature(obj)} cannot be called as "
-            "fn(prompt, response, answer)"
+            "fn(prompt, response, answer) nor as compute_score(data_source, solution_str, ground_truth, "
+            "extra_info=None)"
         ) from None
     except ValueError:  # builtins without a signature: trust them
         pass
@@ -137,29 +168,68 @@ def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def score(fn: RewardFn, prompt: Any, response: str, answer: str) -> float:
-    """``fn(prompt, response, answer)`` as a float; an exception or a non-finite/non-numeric result
-    becomes a :class:`RewardError` naming the function and the (truncated) prompt."""
-    excerpt = str(prompt)
-    if len(excerpt) > PROMPT_EXCERPT:
-        excerpt = excerpt[: PROMPT_EXCERPT - 3] + "..."
-    try:
-        value = fn(prompt, response, answer)
-    except Exception as exc:
-        raise RewardError(
-            f"reward function {_name(fn)} raised {type(exc).__name__}: {exc} (prompt {excerpt!r})"
-        ) from exc
+def call_reward(fn: Callable[..., Any], record: dict[str, Any], response: str) -> Any:
+    """``fn``'s raw result for ``response`` to ``record`` (``prompt``, ``answer`` and, from verl data,
+    ``data_source`` and ``extra_info``), in ``fn``'s own signature."""
+    if reward_style(fn) == "verl":
+        kw: dict[str, Any] = {
+            "data_source": record.get("data_source"),
+            "solution_str": response,
+            "ground_truth": record["answer"],
+        }
+        if _takes_extra_info(fn):
+            kw["extra_info"] = record.get("extra_info")
+        return fn(**kw)
+    return fn(record["prompt"], response, record["answer"])
+
+
+def _number(fn: Callable[..., Any], value: Any, what: str, excerpt: str) -> float:
     try:
         result = float(value)
     except (TypeError, ValueError):
         raise RewardError(
-            f"reward function {_name(fn)} returned {value!r}, not a number (prompt {excerpt!r})"
+            f"reward function {_name(fn)} returned {what}{value!r}, not a number (prompt {excerpt!r})"
         ) from None
     if not math.isfinite(result):
         raise RewardError(
-            f"reward function {_name(fn)} returned {value!r}, not a finite number (prompt {excerpt!r})"
+            f"reward function {_name(fn)} returned {what}{value!r}, not a finite number (prompt {excerpt!r})"
         )
     return result
+
+
+def score_record(
+    fn: Callable[..., Any], record: dict[str, Any], response: str
+) -> tuple[float, dict[str, float]]:
+    """``(score, extras)`` of ``response`` to ``record``: a number, or a dict's ``"score"`` and its other
+    numeric entries. An exception, a non-number or a dict without ``"score"`` becomes a
+    :class:`RewardError` naming the function and the (truncated) prompt."""
+    excerpt = str(record.get("prompt"))
+    if len(excerpt) > PROMPT_EXCERPT:
+        excerpt = excerpt[: PROMPT_EXCERPT - 3] + "..."
+    try:
+        value = call_reward(fn, record, response)
+    except Exception as exc:
+        raise RewardError(
+            f"reward function {_name(fn)} raised {type(exc).__name__}: {exc} (prompt {excerpt!r})"
+        ) from exc
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise RewardError(
+                f"reward function {_name(fn)} returned a dict without 'score' (keys {sorted(value)}; "
+                f"prompt {excerpt!r})"
+            )
+        extras = {
+            str(k): _number(fn, v, f"{k!r}=", excerpt)
+            for k, v in value.items()
+            if k != "score" and isinstance(v, (int, float, bool))
+        }
+        return _number(fn, value["score"], "'score'=", excerpt), extras
+    return _number(fn, value, "", excerpt), {}
+
+
+def score(fn: RewardFn, prompt: Any, response: str, answer: str) -> float:
+    """``fn(prompt, response, answer)`` as a float (see :func:`score_record`)."""
+    return score_record(fn, {"prompt": prompt, "answer": answer}, response)[0]
 
 
 __all__ = [
@@ -170,6 +240,8 @@ __all__ = [
     "extract_answer",
     "format_reward",
     "load_reward_fn",
+    "reward_style",
     "rule_reward",
     "score",
+    "score_record",
 ]

@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from msrl_core.trainer import checkpoint as ckpt
-from msrl_core.trainer.config import model_config, save_config, validate
+from msrl_core.trainer.config import TrainerConfig, model_config, save_config, to_yaml, validate
 from msrl_core.trainer.data import PromptLoader, load_prompts, split
 from msrl_core.trainer.errors import ConfigError, DataError
-from msrl_core.trainer.reward import load_reward_fn, score
+from msrl_core.trainer.reward import load_reward_fn
 from msrl_core.trainer.task import CharTokenizer
 
 #: Exit code of a run stopped by Ctrl-C (the shell's 128 + SIGINT).
@@ -44,63 +43,72 @@ def resolve_device(cfg: Any) -> str:
     from msrl_core.trainer.engines import select_device
 
     try:
-        return select_device(str(cfg.trainer.device))
+        return select_device(cfg.trainer.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def build_engine(cfg: Any, seed: int, device: str = "cpu") -> Any:
+def build_engine(cfg: TrainerConfig, seed: int, device: str = "cpu") -> Any:
     """The training engine of ``actor.engine`` (``hf``: transformers, TP 1; ``megatron``: megatron-core)
     on ``device`` (a resolved ``trainer.device``)."""
-    mc = model_config(cfg)
-    m = cfg.model
     if cfg.actor.engine == "hf":
         from msrl_core.trainer.engines.hf import HFTrainEngine
 
-        return HFTrainEngine(
-            mc, float(m.rope_theta), int(m.max_position_embeddings), seed=seed, device=device
-        )
+        return HFTrainEngine(cfg.model, seed=seed, device=device)
     from msrl_core.trainer.engines.megatron import MegatronTrainEngine
 
-    return MegatronTrainEngine(cfg, mc, seed=seed, device=device)
+    return MegatronTrainEngine(cfg, model_config(cfg.model), seed=seed, device=device)
 
 
-def sampler_factory(cfg: Any, device: str = "cpu") -> Callable[[dict[str, Any]], Any]:
+def sampler_factory(cfg: TrainerConfig, device: str = "cpu") -> Callable[[dict[str, Any]], Any]:
     """The rollout engine of ``rollout.engine`` over the HF-layout views that ``allgather_swap`` fills."""
-    mc = model_config(cfg)
-    m = cfg.model
     if cfg.rollout.engine == "vllm":
         from msrl_core.trainer.engines.vllm_rollout import VLLMSampler, check_available
 
         check_available()  # before any engine is built
         model_dir = Path(cfg.trainer.output_dir) / "vllm_model"
-        return lambda views: VLLMSampler(cfg, mc, views, model_dir, int(cfg.trainer.seed))
+        mc = model_config(cfg.model)
+        return lambda views: VLLMSampler(cfg, mc, views, model_dir, cfg.trainer.seed)
     from msrl_core.trainer.engines.hf import HFSampler
 
-    return lambda views: HFSampler(mc, float(m.rope_theta), int(m.max_position_embeddings), views, device)
+    return lambda views: HFSampler(cfg.model, views, device)
 
 
-def load_data(cfg: Any) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: TrainerConfig) -> tuple[list[dict], list[dict]]:
     d = cfg.data
+    assert d.train_files is not None  # validate() checked it
     records = load_prompts(d.train_files, d.prompt_key, d.answer_key)
     if d.val_files:
         train, val = records, load_prompts(d.val_files, d.prompt_key, d.answer_key)
-    elif float(d.val_fraction) > 0:
-        train, val = split(records, float(d.val_fraction), int(d.seed))
+    elif d.val_fraction > 0:
+        train, val = split(records, d.val_fraction, d.seed)
     else:
         train, val = records, []
     return [dict(r, _row=i) for i, r in enumerate(train)], val
 
 
-def check_tokenizable(tok: CharTokenizer, cfg: Any, records: list[dict], what: str) -> None:
-    """Every prompt encodes and fits ``rollout.max_prompt_length`` (the message names the record)."""
-    limit = int(cfg.rollout.max_prompt_length)
+def load_tokenizer(cfg: TrainerConfig) -> Any:
+    """The checkpoint's tokenizer (``model.path``), or the built-in character tokenizer of a model built in
+    code (the demo task's alphabet)."""
+    if cfg.model.path:
+        from msrl_core.trainer.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(cfg.model.path)
+    return CharTokenizer()
+
+
+def encode_prompts(tok: Any, cfg: Any, records: list[dict], what: str) -> None:
+    """Tokenize every prompt once (``record["prompt_ids"]``); each must encode (chat messages need a chat
+    template) and fit ``rollout.max_prompt_length`` (the message names the record)."""
+    limit = cfg.rollout.max_prompt_length
     for r in records:
         where = f"{what} record {r.get('index', '?')} (prompt {str(r['prompt'])[:40]!r})"
         try:
-            n = len(tok.encode(str(r["prompt"])))
-        except ValueError as e:
+            ids = np.asarray(tok.encode(r["prompt"]), np.int64)
+        except (ValueError, DataError) as e:
             raise DataError(f"{where}: {e}") from None
+        r["prompt_ids"] = ids
+        n = len(ids)
         if n > limit:
             raise DataError(f"{where}: {n} tokens exceed rollout.max_prompt_length={limit}")
 
@@ -150,10 +158,99 @@ def _line(step: int, m: dict[str, Any]) -> str:
     )
 
 
-def train(
-    cfg: Any,
+@dataclass
+class Session:
+    """What one run holds: its data, tokenizer, engines, trainer and prompt loader (:func:`open_session`)."""
+
+    cfg: TrainerConfig
+    run_dir: Path
+    tokenizer: Any
+    train_records: list[dict]
+    val_records: list[dict]
+    engine: Any
+    trainer: Any
+    loader: PromptLoader
+    rank: int
+
+
+def open_session(
+    cfg: TrainerConfig,
     *,
-    before_training: Callable[[Any, CharTokenizer, list[dict]], None] | None = None,
+    before_training: Callable[[Any, Any, list[dict]], None] | None = None,
+    swap: bool | None = None,
+    dock_options: dict[str, Any] | None = None,
+    log: Callable[[str], None] = print,
+) -> Session:
+    """Validate ``cfg``, record it in the run directory, read the data and the tokenizer, build the engines
+    and the trainer. Every bad input fails here, before the first step. ``before_training(engine,
+    tokenizer, records)`` runs on the engine before the trainer copies it as the reference policy."""
+    from msrl_core.trainer.grpo import GRPOTrainer
+
+    validate(cfg)
+    run_dir = Path(cfg.trainer.output_dir)
+    log("resolved config:\n" + to_yaml(cfg))
+    save_config(cfg, run_dir)
+    log(f"run directory: {run_dir}")
+    train_records, val_records = load_data(cfg)
+    tok = load_tokenizer(cfg)
+    if cfg.model.vocab_size < tok.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens"
+        )
+    encode_prompts(tok, cfg, train_records, "training")
+    encode_prompts(tok, cfg, val_records, "validation")
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    device = resolve_device(cfg)  # before any engine is built
+    make_sampler = sampler_factory(cfg, device)  # a missing rollout engine fails here too
+    seed = cfg.trainer.seed
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    engine = build_engine(cfg, seed, device)
+    if before_training is not None:
+        before_training(engine, tok, train_records)
+    loader = PromptLoader(train_records, cfg.data.global_batch_size, cfg.data.seed)
+    trainer = GRPOTrainer(
+        cfg, tok, train_records, reward_fn, engine, make_sampler, swap=swap, dock_options=dock_options
+    )
+    rank = getattr(engine, "rank", 0)
+    return Session(cfg, run_dir, tok, train_records, val_records, engine, trainer, loader, rank)
+
+
+def resume(s: Session, path: Path) -> int:
+    """Load the checkpoint at ``path`` into every rank's engines, the optimizer and the loader; returns the
+    step to continue at."""
+    state, opt, tstate = ckpt.load(path, s.rank)
+    s.engine.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("policy/")})
+    if s.trainer.ref_engine is not None:
+        s.trainer.ref_engine.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("ref/")})
+    s.trainer.load_optimizer_state(opt)
+    s.engine.load_followers(path)  # the other ranks' shards (Megatron TP > 1)
+    s.loader.load_state_dict(tstate["loader"])
+    step = int(tstate["step"])
+    s.trainer.step_index = step
+    return step
+
+
+def save(s: Session, step: int) -> Path:
+    """The checkpoint of ``step``: every rank's shards, rank 0's HF directory and trainer state."""
+    engine, trainer = s.engine, s.trainer
+    tensors = {f"policy/{k}": v for k, v in engine.state_dict().items()}
+    if trainer.ref_engine is not None:
+        tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
+    engine.save_followers(step)
+    hf = None
+    if s.rank == 0:
+        from msrl_core.trainer.hf_build import checkpoint_config
+
+        hf = (trainer.hf_weights(), checkpoint_config(s.cfg.model, s.tokenizer), s.tokenizer)
+    state = {"step": step, "loader": s.loader.state_dict(), "time": time.time()} if s.rank == 0 else None
+    return ckpt.save(s.run_dir, step, s.rank, tensors, trainer.optimizer_state(), state, hf)
+
+
+def train(
+    cfg: TrainerConfig,
+    *,
+    before_training: Callable[[Any, Any, list[dict]], None] | None = None,
     swap: bool | None = None,
     dock_options: dict[str, Any] | None = None,
     progress: bool = True,
@@ -161,77 +258,25 @@ def train(
 ) -> RunResult:
     """Run ``cfg`` (a loaded config) to ``trainer.steps``. ``before_training(engine, tokenizer, records)``
     runs once on a fresh (not resumed) run, e.g. the demo's format warm-up."""
-    from msrl_core.trainer.grpo import GRPOTrainer
     from msrl_core.trainer.metrics import MetricsWriter, read_metrics
     from msrl_core.trainer.report import plot, summary_table
 
-    validate(cfg)
-    run_dir = Path(cfg.trainer.output_dir)
-    log("resolved config:\n" + OmegaConf.to_yaml(cfg, resolve=True))
-    save_config(cfg, run_dir)
-    log(f"run directory: {run_dir}")
-    train_records, val_records = load_data(cfg)
-    tok = CharTokenizer()
-    if int(cfg.model.vocab_size) < tok.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens"
-        )
-    check_tokenizable(tok, cfg, train_records, "training")
-    check_tokenizable(tok, cfg, val_records, "validation")
-    reward_fn = load_reward_fn(cfg.reward.fn)
-    device = resolve_device(cfg)  # before any engine is built
-    make_sampler = sampler_factory(cfg, device)  # a missing rollout engine fails here too
-    seed = int(cfg.trainer.seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed % (1 << 32))
-    resume_from = ckpt.resolve(run_dir, cfg.trainer.resume)
-    if resume_from is not None and int(cfg.actor.tp) > 1:
-        raise ConfigError("trainer.resume with actor.tp > 1 is not supported by this build; resume with tp=1")
-    engine = build_engine(cfg, seed, device)
-    rank = engine.rank if hasattr(engine, "rank") else 0
-    if resume_from is None and before_training is not None:
-        before_training(engine, tok, train_records)
-    loader = PromptLoader(train_records, int(cfg.data.global_batch_size), int(cfg.data.seed))
-    trainer = GRPOTrainer(
-        cfg,
-        tok,
-        train_records,
-        reward_fn,
-        score,
-        engine,
-        make_sampler,
-        swap=swap,
-        dock_options=dock_options,
-    )
+    resume_from = ckpt.resolve(Path(cfg.trainer.output_dir), cfg.trainer.resume)
+    hook = before_training if resume_from is None else None  # a resumed run continues from its checkpoint
+    s = open_session(cfg, before_training=hook, swap=swap, dock_options=dock_options, log=log)
+    run_dir, engine, trainer = s.run_dir, s.engine, s.trainer
     start = 0
     if resume_from is not None:
-        state, opt, tstate = ckpt.load(resume_from, rank)
-        engine.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("policy/")})
-        if trainer.ref_engine is not None:
-            trainer.ref_engine.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("ref/")})
-        trainer.load_optimizer_state(opt)
-        loader.load_state_dict(tstate["loader"])
-        start = trainer.step_index = int(tstate["step"])
+        start = resume(s, resume_from)
         log(f"resumed from {resume_from} at step {start}")
-
-    def save(step: int) -> Path:
-        tensors = {f"policy/{k}": v for k, v in engine.state_dict().items()}
-        if trainer.ref_engine is not None:
-            tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
-        engine.save_followers(step)
-        hf = (trainer.hf_weights(), trainer.sampler.model.config) if rank == 0 else None
-        state = {"step": step, "loader": loader.state_dict(), "time": time.time()} if rank == 0 else None
-        return ckpt.save(run_dir, step, rank, tensors, trainer.optimizer_state(), state, hf)
-
-    steps = int(cfg.trainer.steps)
-    val_every = int(cfg.trainer.val_every)
-    save_every = int(cfg.trainer.save_every)
+    loader, val_records = s.loader, s.val_records
+    steps, val_every, save_every = cfg.trainer.steps, cfg.trainer.val_every, cfg.trainer.save_every
     last_ckpt: Path | None = resume_from
     interrupted = False
     done = start
     if start == 0 and (run_dir / "metrics.jsonl").exists():
         log(f"fresh run in {run_dir}: the previous metrics.jsonl is replaced")
-    writer = MetricsWriter(run_dir, tensorboard=bool(cfg.trainer.tensorboard), resume_step=start)
+    writer = MetricsWriter(run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=start)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -250,7 +295,7 @@ def train(
                 if bar is not None:
                     bar.update(1)
                 if save_every and done % save_every == 0 and done < steps:
-                    last_ckpt = save(done)
+                    last_ckpt = save(s, done)
                 if stop.set:
                     interrupted = True
                     break
@@ -261,7 +306,7 @@ def train(
                 writer.write(done, {"val/score/mean": v})
                 say(f"step {done:4d} | val {v:.3f} (final policy)")
             if done > start or last_ckpt is None:
-                last_ckpt = save(done)
+                last_ckpt = save(s, done)
             say(f"checkpoint (Hugging Face safetensors + training state): {last_ckpt}")
     finally:
         writer.close()

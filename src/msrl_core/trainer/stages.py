@@ -1,28 +1,29 @@
 """Stages as data: a table of stage specs and one generic worker that claims, fetches and puts through
-``msrl_core.Dock``.
+``msrl_core.Dock``; :class:`StageRunner` runs them in the order the trainer's step writes.
 
-Every stage of a GRPO iteration is a row of :func:`grpo_stages`: the columns it reads (its dock
-controller's readiness condition), the columns it writes, how many rows it claims at a time and the gate
-it waits for (``train_weights``: the training weights are swapped back in). :class:`StageRunner` starts
-one worker per stage; a worker claims as soon as its first rows are ready, so reference and reward
-score the rollout's groups while the rollout still samples the next ones. Each stage consumes every row of
-the iteration exactly once (the dock's guarantee; ``progress()`` counts it).
+Every stage of a GRPO iteration is a row of :func:`grpo_stages`: the columns it reads (its dock controller's
+readiness condition), the columns it writes, how many rows it claims at a time, and the layout it fetches
+(``padded``: one ``[rows, width]`` tensor per ragged column, what the model stages feed to the engine). The
+step (``GRPOTrainer.step``) calls them top to bottom: ``start`` the streaming stages (reference,
+rule_reward, adv claim each group as soon as the rollout has put it), ``run`` the rollout, ``run`` old_log_p
+when off-policy, ``join`` the streaming stages, ``run`` the update. A worker consumes every row of the
+iteration exactly once (the dock's guarantee; ``progress()`` counts it).
 
 Placement is a column of the table too: ``"trainer"`` stages need the training process's models
-(rollout, reference, old_log_p, update) and run as threads beside their engines, colocated as
-MindSpeed-RL colocates actor, reference and rollout in one worker group; ``"actor"`` stages (rule_reward,
-adv) need no model: with a Ray dock they run as Ray actors with a fractional CPU
-(:data:`ACTOR_NUM_CPUS`) that claim, fetch and put through the same dock; with a local dock they are
-threads too. Their work must then be a picklable callable (the reward function is imported again inside
-the actor, see :class:`msrl_core.trainer.grpo.RewardWork`).
+(rollout, reference, old_log_p, update) and run beside their engines, colocated as MindSpeed-RL colocates
+actor, reference and rollout in one worker group; ``"actor"`` stages (rule_reward, adv) need no model: with a
+Ray dock they run as Ray actors with a fractional CPU (:data:`ACTOR_NUM_CPUS`) that claim, fetch and put
+through the same dock; with a local dock they are threads. Their work must then be a picklable callable (the
+reward function is imported again inside the actor, see :class:`msrl_core.trainer.grpo.RewardWork`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +48,8 @@ class StageSpec:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     rows_per_claim: int  # rows claimed at a time (whole groups); the full batch for the update
-    gate: str | None = None  # an event the worker waits for before its first claim
-    placement: str = "trainer"  # "trainer": a thread beside the engines; "actor": a Ray actor (Ray dock)
+    placement: str = "trainer"  # "trainer": beside the engines; "actor": a Ray actor (Ray dock)
+    layout: str = "packed"  # how ragged columns are fetched: "packed" (Ragged) or "padded" (torch, one call)
 
 
 #: Where a stage may run: beside the training process's engines, or anywhere (a Ray actor).
@@ -80,7 +81,9 @@ def grpo_stages(
     upd_reads = ["prompts", "responses", "rollout_log_prob", "advantages"]
     table = [StageSpec("rollout", ("prompts",), ("responses", "rollout_log_prob"), chunk)]
     if use_reference:
-        table.append(StageSpec("reference", ("prompts", "responses"), ("ref_log_prob",), chunk))
+        table.append(
+            StageSpec("reference", ("prompts", "responses"), ("ref_log_prob",), chunk, layout=PADDED)
+        )
         upd_reads.append("ref_log_prob")
     table.append(
         StageSpec("rule_reward", ("prompts", "responses", "index"), ("scores",), chunk, placement="actor")
@@ -88,11 +91,16 @@ def grpo_stages(
     table.append(StageSpec("adv", ("scores",), ("advantages",), chunk, placement="actor"))
     if recompute_old:
         table.append(
-            StageSpec("old_log_p", ("prompts", "responses"), ("old_log_prob",), chunk, gate="train_weights")
+            StageSpec("old_log_p", ("prompts", "responses"), ("old_log_prob",), chunk, layout=PADDED)
         )
         upd_reads.append("old_log_prob")
-    table.append(StageSpec("update", tuple(upd_reads), (), batch_rows, gate="train_weights"))
+    table.append(StageSpec("update", tuple(upd_reads), (), batch_rows, layout=PADDED))
     return table
+
+
+#: The stages that stream behind the rollout (claim each group as soon as it is ready).
+STREAMING = ("reference", "rule_reward", "adv")
+PADDED = "padded"
 
 
 def make_dock(stages: list[StageSpec], batch_rows: int, group_size: int, warehouses: int, **kw: Any) -> Dock:
@@ -107,8 +115,11 @@ def make_dock(stages: list[StageSpec], batch_rows: int, group_size: int, warehou
     )
 
 
-Work = Callable[[Any], "Mapping[str, Any] | None"]
+#: A stage's work: a fetched batch -> the columns it writes (or None when it writes none), or a pair
+#: ``(outputs, metrics)`` whose metrics map a name to per-row values (the step reports their mean).
+Work = Callable[[Any], Any]
 Record = Callable[[str, float, float], None]
+Report = Callable[[Mapping[str, Any]], None]
 
 
 def work_loop(
@@ -118,6 +129,7 @@ def work_loop(
     record: Record,
     count: Callable[[str], None],
     check: Callable[[], None],
+    report: Report | None = None,
 ) -> None:
     """One stage's iteration: claim whole groups as they become ready, fetch what it reads, run ``work``,
     put what it writes, until it has consumed every row. ``check()`` raises to stop (deadline, another
@@ -132,9 +144,16 @@ def work_loop(
             continue
         t0 = time.perf_counter()
         count("claim")
-        batch = dock.fetch(meta, list(spec.reads))
+        if spec.layout == PADDED:
+            batch = dock.fetch(meta, list(spec.reads), layout=PADDED, output="torch")
+        else:
+            batch = dock.fetch(meta, list(spec.reads))
         count("fetch")
         out = work(batch)
+        if isinstance(out, tuple):
+            out, metrics = out
+            if report is not None:
+                report(metrics)
         if spec.writes:
             if out is None:
                 raise RuntimeError(f"stage {spec.name} returned nothing; it must write {spec.writes}")
@@ -145,7 +164,8 @@ def work_loop(
 
 
 class StageRunner:
-    """Runs one iteration: one worker per stage over the dock; every wait has a deadline.
+    """Runs the stages of one iteration in the order the caller writes (see the module docstring); every
+    wait has a deadline and the first failure stops the others.
 
     ``remote=True`` (a Ray dock): the stages placed ``"actor"`` run as Ray actors with
     :data:`ACTOR_NUM_CPUS` CPUs each, created once here and reused every iteration (their work functions
@@ -166,15 +186,22 @@ class StageRunner:
         bad = [(s.name, s.placement) for s in stages if s.placement not in PLACEMENTS]
         if bad:
             raise ValueError(f"stage placements {bad} are not among {PLACEMENTS}")
-        self.dock, self.stages, self.work, self.deadline_s = dock, stages, work, deadline_s
-        self.counts: dict[str, int] = {}  # dock operations of the last run() (the trainer's own count)
-        self._count_lock = threading.Lock()
-        self.on_done: dict[str, Callable[[], None]] = {}
+        self.dock, self.work, self.deadline_s = dock, work, deadline_s
+        self.specs = {s.name: s for s in stages}
+        self.counts: dict[str, int] = {}  # dock operations of the last iteration (the trainer's own count)
+        self.metrics: dict[str, list[float]] = {}  # per-row values the stages' work reported, last iteration
+        self._lock = threading.Lock()
         self.actors: dict[str, Any] = {}
         if remote:
             self.actors = {
                 s.name: _start_actor(dock, s, work[s.name]) for s in stages if s.placement == "actor"
             }
+        self._clock = StageClock()
+        self._stop = threading.Event()
+        self._errors: list[StageError] = []
+        self._threads: list[threading.Thread] = []
+        self._pending: dict[Any, str] = {}
+        self._deadline = 0.0
 
     def close(self) -> None:
         """End the stage actors (if any). Calling it again does nothing."""
@@ -185,95 +212,151 @@ class StageRunner:
                 ray.kill(a)
             self.actors = {}
 
-    def run(self, clock: StageClock, gates: Mapping[str, threading.Event]) -> None:
-        """Start every stage, wait for all; the first failure stops the others and is raised as
-        :class:`StageError`."""
-        stop = threading.Event()
+    # ---- one iteration ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def iteration(self, clock: StageClock) -> Iterator[StageRunner]:
+        """One iteration's scope: the deadline starts now; on leaving (normally or on an error) the
+        background stages are stopped if still running and joined, and the first failure is raised."""
+        self._clock, self._stop, self._errors = clock, threading.Event(), []
         self.counts = {"put": 1, "claim": 0, "fetch": 0}  # the driver's put of the prompts
-        errors: list[StageError] = []
-        deadline = time.monotonic() + self.deadline_s
+        self.metrics = {}
+        self._deadline = time.monotonic() + self.deadline_s
+        try:
+            yield self
+        except BaseException:
+            self._stop.set()
+            self._wait_background()
+            raise
+        self.join()
 
-        def worker(spec: StageSpec) -> None:
-            try:
-                if spec.gate is not None:
-                    ev = gates[spec.gate]
-                    while not ev.wait(timeout=0.05):
-                        self._check(spec, stop, deadline)
-                work_loop(
-                    self.dock,
-                    spec,
-                    self.work[spec.name],
-                    clock.add,
-                    self._count,
-                    lambda: self._check(spec, stop, deadline),
+    def start(self, names: Sequence[str]) -> None:
+        """Start the stages ``names`` in the background (threads, or their Ray actors); they claim rows as
+        soon as they are ready. :meth:`join` waits for them."""
+        for name in names:
+            if name not in self.specs:
+                continue
+            if name in self.actors:
+                self._pending[self.actors[name].run.remote(max(0.0, self._deadline - time.monotonic()))] = (
+                    name
                 )
-                hook = self.on_done.get(spec.name)
-                if hook is not None:
-                    hook()
-            except BaseException as e:  # recorded and re-raised in the driver
-                errors.append(StageError(spec.name, e, traceback.format_exc()))
-                stop.set()
-
-        threads = [
-            threading.Thread(target=worker, args=(s,), name=f"msrl-stage-{s.name}", daemon=True)
-            for s in self.stages
-            if s.name not in self.actors
-        ]
-        pending = {a.run.remote(self.deadline_s): name for name, a in self.actors.items()}
-        for t in threads:
+                continue
+            t = threading.Thread(
+                target=self._background, args=(name,), name=f"msrl-stage-{name}", daemon=True
+            )
+            self._threads.append(t)
             t.start()
+
+    def run(self, name: str) -> dict[str, float]:
+        """Run stage ``name`` in this thread until it consumed every row; returns the means of the metrics
+        its work reported. A background stage's failure stops it and is raised instead."""
+        try:
+            before = {k: len(v) for k, v in self.metrics.items()}
+            self._loop(name)
+        except _Stopped:
+            self._raise_first()
+            raise
+        except BaseException as e:
+            self._stop.set()
+            raise StageError(name, e, traceback.format_exc()) from e
+        with self._lock:
+            new = {k: v[before.get(k, 0) :] for k, v in self.metrics.items()}
+        return {k: sum(v) / len(v) for k, v in new.items() if v}
+
+    def join(self) -> None:
+        """Wait for the background stages (within the deadline); raise the first failure."""
+        self._wait_background()
+        self._raise_first()
+
+    def metric_means(self) -> dict[str, float]:
+        """The mean of every metric the stages reported in the last iteration."""
+        return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
+
+    # ---- inside ----------------------------------------------------------------------------------------
+
+    def _loop(self, name: str) -> None:
+        spec = self.specs[name]
+        work_loop(
+            self.dock,
+            spec,
+            self.work[name],
+            self._clock.add,
+            self._count,
+            lambda: self._check(spec),
+            self._report,
+        )
+
+    def _background(self, name: str) -> None:
+        try:
+            self._loop(name)
+        except _Stopped:
+            pass
+        except BaseException as e:  # recorded and raised by the driver
+            self._errors.append(StageError(name, e, traceback.format_exc()))
+            self._stop.set()
+
+    def _wait_background(self) -> None:
         stopped_actors = False
-        while pending or any(t.is_alive() for t in threads):
-            if pending:
-                self._poll_actors(pending, clock, errors, stop)
+        while self._pending or any(t.is_alive() for t in self._threads):
+            if self._pending:
+                self._poll_actors()
             else:
-                next(t for t in threads if t.is_alive()).join(timeout=0.2)
-            if stop.is_set() and pending and not stopped_actors:
-                self._stop_actors(pending)
+                next(t for t in self._threads if t.is_alive()).join(timeout=0.2)
+            if self._stop.is_set() and self._pending and not stopped_actors:
+                for name in self._pending.values():
+                    self.actors[name].stop.remote()
                 stopped_actors = True
-            if time.monotonic() > deadline + 5.0:
-                stop.set()
-                self._stop_actors(pending)
-                late = [t.name.removeprefix("msrl-stage-") for t in threads if t.is_alive()]
-                raise StageError(([*pending.values(), *late] or ["?"])[0], TimeoutError("stage hung"))
-        if errors:
-            raise errors[0] from errors[0].error
+            if time.monotonic() > self._deadline + 5.0:
+                self._stop.set()
+                for name in self._pending.values():
+                    self.actors[name].stop.remote()
+                late = [t.name.removeprefix("msrl-stage-") for t in self._threads if t.is_alive()]
+                names = [*self._pending.values(), *late] or ["?"]
+                self._pending, self._threads = {}, []
+                raise StageError(names[0], TimeoutError("stage hung"))
+        self._threads = []
 
-    def _stop_actors(self, pending: dict[Any, str]) -> None:
-        for name in pending.values():
-            self.actors[name].stop.remote()
+    def _raise_first(self) -> None:
+        if self._errors:
+            raise self._errors[0] from self._errors[0].error
 
-    def _poll_actors(
-        self, pending: dict[Any, str], clock: StageClock, errors: list[StageError], stop: threading.Event
-    ) -> None:
+    def _poll_actors(self) -> None:
         import ray
 
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)
+        ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0.2)
         for ref in ready:
-            name = pending.pop(ref)
+            name = self._pending.pop(ref)
             try:
                 out = ray.get(ref)
             except Exception as e:  # the actor died (killed, out of memory): its work is lost
-                errors.append(StageError(name, RuntimeError(f"the Ray actor of stage '{name}' died: {e}")))
-                stop.set()
+                self._errors.append(
+                    StageError(name, RuntimeError(f"the Ray actor of stage '{name}' died: {e}"))
+                )
+                self._stop.set()
                 continue
             if "error" in out:
-                errors.append(StageError(name, out["error"], out["tb"]))
-                stop.set()
+                self._errors.append(StageError(name, out["error"], out["tb"]))
+                self._stop.set()
                 continue
             for start, end in out["spans"]:
-                clock.add(name, start, end)
+                self._clock.add(name, start, end)
             for op, n in out["counts"].items():
                 self._count(op, n)
+            self._report(out.get("metrics", {}))
 
     def _count(self, op: str, n: int = 1) -> None:
-        with self._count_lock:
+        with self._lock:
             self.counts[op] = self.counts.get(op, 0) + n
 
-    def _check(self, spec: StageSpec, stop: threading.Event, deadline: float) -> None:
-        if stop.is_set():
+    def _report(self, metrics: Mapping[str, Any]) -> None:
+        with self._lock:
+            for k, v in metrics.items():
+                self.metrics.setdefault(k, []).extend(float(x) for x in v)
+
+    def _check(self, spec: StageSpec) -> None:
+        if self._stop.is_set():
             raise _Stopped(f"stage '{spec.name}' stopped because another stage failed")
-        if time.monotonic() > deadline:
+        if time.monotonic() > self._deadline:
             raise TimeoutError(
                 f"stage '{spec.name}' did not finish within {self.deadline_s:.0f} s "
                 f"(dock progress: {self.dock.progress().get(spec.name)})"
@@ -298,6 +381,11 @@ class StageActor:
         deadline = time.monotonic() + deadline_s
         spans: list[tuple[float, float]] = []
         counts: dict[str, int] = {}
+        metrics: dict[str, list[float]] = {}
+
+        def report(m: Mapping[str, Any]) -> None:
+            for k, v in m.items():
+                metrics.setdefault(k, []).extend(float(x) for x in v)
 
         def check() -> None:
             if self._stop.is_set():
@@ -309,12 +397,14 @@ class StageActor:
             counts[op] = counts.get(op, 0) + 1
 
         try:
-            work_loop(self.dock, self.spec, self.work, lambda _, a, b: spans.append((a, b)), count, check)
+            work_loop(
+                self.dock, self.spec, self.work, lambda _, a, b: spans.append((a, b)), count, check, report
+            )
         except _Stopped:
             pass
         except BaseException as e:
             return {"error": _portable(e), "tb": traceback.format_exc()}
-        return {"spans": spans, "counts": counts}
+        return {"spans": spans, "counts": counts, "metrics": metrics}
 
     def stop(self) -> None:
         self._stop.set()

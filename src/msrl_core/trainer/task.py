@@ -27,18 +27,24 @@ class CharTokenizer:
         self.itos = list(SPECIALS) + list(chars)
         self.stoi = {s: i for i, s in enumerate(self.itos)}
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.eos_ids = (self.eos_id,)
 
     @property
     def vocab_size(self) -> int:
         return len(self.itos)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError("the built-in character tokenizer takes plain-string prompts, not chat messages")
         bad = sorted({ch for ch in text if ch not in self.stoi})
         if bad:
             raise ValueError(
                 f"characters {bad} are not in the tokenizer's alphabet {''.join(self.itos[3:])!r}"
             )
         return ([self.bos_id] if bos else []) + [self.stoi[ch] for ch in text]
+
+    def encode_response(self, text: str) -> list[int]:
+        return self.encode(text, bos=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text up to the first ``<eos>``; specials dropped."""

@@ -38,9 +38,7 @@ def format_warmup(
         pi = rng.integers(0, len(prompts), size=batch_size)
         ai = rng.integers(0, len(answer_set), size=batch_size)
         ps = [np.asarray(tokenizer.encode(prompts[i]), np.int64) for i in pi]
-        rs = [
-            np.asarray(tokenizer.encode(answer_set[j], bos=False) + [tokenizer.eos_id], np.int64) for j in ai
-        ]
+        rs = [np.asarray(tokenizer.encode_response(answer_set[j]) + [tokenizer.eos_id], np.int64) for j in ai]
         pk = pack(ps, rs, tokenizer.pad_id)
         logits = engine.logits(pk.tokens)
         pk = pk.to(logits.device)

@@ -69,6 +69,9 @@ class TrainEngine(Protocol):
     def save_followers(self, step: int) -> None:
         """Other ranks write their part of the checkpoint of ``step``."""
 
+    def load_followers(self, path: Any) -> None:
+        """Other ranks load their part of the checkpoint at ``path`` (after :meth:`init_optimizer`)."""
+
     def close(self) -> None:
         """Stop other ranks, if any."""
 

@@ -11,7 +11,9 @@ into it outside the switch.
 from __future__ import annotations
 
 import math
+import re
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,50 +22,47 @@ import msrl_core
 from msrl_core.reshard import ModelConfig, Parallel, to_hf
 from msrl_core.reshard.reference import megatron_to_hf
 from msrl_core.reshard.steps import current_stream
+from msrl_core.trainer.config import model_config
 from msrl_core.trainer.engines import torch_device
 
 
-def transformers_model(cfg: ModelConfig, rope_theta: float, max_positions: int, device: Any = "cpu") -> Any:
-    """A transformers model of ``cfg``'s architecture (llama / qwen2 / qwen3) with its parameters on the
-    meta device (every forward supplies them) and its buffers on ``device``."""
+def hf_config(model: Any) -> Any:
+    """The transformers config of the model section (``cfg.model``) through the one model description
+    (``msrl_core.models.hf_config``): the same norm epsilon, RoPE base and positions in every engine."""
+    from msrl_core.models import hf_config as models_hf_config
+
+    return models_hf_config(model_config(model))
+
+
+def transformers_model(model: Any, device: Any = "cpu") -> Any:
+    """A transformers model of the model section ``model`` (llama / qwen2 / qwen3) with its parameters on
+    the meta device (every forward supplies them) and its buffers on ``device``."""
     import transformers as tf
 
-    c: Any
-    cls: Any
-    common: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hd,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-    )
-    if cfg.arch == "qwen2":
-        c, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif cfg.arch == "qwen3":
-        c, cls = tf.Qwen3Config(attention_bias=cfg.qkv_bias, **common), tf.Qwen3ForCausalLM
-    elif cfg.arch == "llama":
-        c, cls = tf.LlamaConfig(attention_bias=cfg.qkv_bias, mlp_bias=False, **common), tf.LlamaForCausalLM
-    else:
-        raise ValueError(f"model.arch {cfg.arch!r}: the trainer builds llama, qwen2 or qwen3 models")
+    c = hf_config(model)
     c._attn_implementation = "eager"
     # parameters stay on the meta device (every forward supplies them); buffers (rotary frequencies) are
     # rebuilt on the device by constructing their owning modules there
     with torch.device("meta"):
-        model = cls(c)
-    for mod in list(model.modules()):
+        net = tf.AutoModelForCausalLM.from_config(c)
+    for mod in list(net.modules()):
         metas = [n for n, b in mod.named_buffers(recurse=False) if b.is_meta]
         if metas:
             with torch.device(device):
                 fresh = type(mod)(mod.config)
             for n in metas:
                 setattr(mod, n, getattr(fresh, n))
-    return model.eval()
+    return net.eval()
+
+
+def initial_params(model: Any, seed: int) -> dict[str, torch.Tensor]:
+    """The TP-1 Megatron-layout starting weights: the checkpoint at ``model.path`` (through the reshard
+    plan run in reverse), else seeded random ones (:func:`init_megatron_params`)."""
+    if model.path:
+        from msrl_core.trainer.hf_dir import load_megatron_shard
+
+        return load_megatron_shard(model, Parallel(tp=1))
+    return init_megatron_params(model_config(model), seed)
 
 
 def init_megatron_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -79,6 +78,32 @@ def init_megatron_params(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out[name] = t.to(getattr(torch, cfg.dtype))
+    return out
+
+
+_EXPERT = re.compile(
+    r"^(?P<layer>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint-layout expert tensors (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers'
+    in-memory layout: ``...mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
+    ``...mlp.experts.down_proj`` ``[E, H, I]``; every other tensor as it is."""
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[str, dict[int, Any]]] = {}
+    for k, v in hf.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m["layer"], {}).setdefault(m["proj"], {})[int(m["e"])] = v
+    for layer, projs in experts.items():
+        n = len(projs["down_proj"])
+        out[f"{layer}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)]
+        )
+        out[f"{layer}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
     return out
 
 
@@ -99,23 +124,21 @@ class HFTrainEngine:
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        rope_theta: float,
-        max_positions: int,
+        model: Any,
         seed: int,
         params: dict[str, torch.Tensor] | None = None,
         trainable: bool = True,
         device: str = "cpu",
     ) -> None:
-        self.model_config = cfg
+        self.section = model  # cfg.model
+        self.model_config = model_config(model)
         self.parallel = Parallel(tp=1)
         self.groups: dict[str, Any] = {"tp": None, "pp": None, "ep": None}
-        self._rope_theta, self._max_positions = rope_theta, max_positions
         self.device_name = device
         self.device = torch_device(device)
-        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
+        self.model = transformers_model(model, self.device)
         if params is None:  # initialised on the CPU (the same weights on every device), then moved
-            params = {k: v.to(self.device) for k, v in init_megatron_params(cfg, seed).items()}
+            params = {k: v.to(self.device) for k, v in initial_params(model, seed).items()}
         self.params = params
         for p in self.params.values():
             p.requires_grad_(trainable)
@@ -170,15 +193,16 @@ class HFTrainEngine:
     def save_followers(self, step: int) -> None:
         """No other ranks (TP 1)."""
 
+    def load_followers(self, path: Any) -> None:
+        """No other ranks (TP 1)."""
+
     def close(self) -> None:
         """Nothing to stop."""
 
     def frozen_copy(self) -> HFTrainEngine:
         params = {k: v.detach().clone() for k, v in self.params.items()}
         return HFTrainEngine(
-            self.model_config,
-            self._rope_theta,
-            self._max_positions,
+            self.section,
             0,
             params=params,
             trainable=False,
@@ -202,50 +226,60 @@ class HFSampler:
     ``allgather_swap`` fills. Batched sampling with left padding; returns the log-probs of the sampled
     tokens under the temperature-scaled distribution (what the trainer recomputes)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        rope_theta: float,
-        max_positions: int,
-        views: dict[str, Any],
-        device: str = "cpu",
-    ):
+    def __init__(self, model: Any, views: dict[str, Any], device: str = "cpu"):
         self.device = torch_device(device)
-        self.model = transformers_model(cfg, rope_theta, max_positions, self.device)
+        self.model = transformers_model(model, self.device)
         self.views = dict(views)
-        if cfg.tie_word_embeddings:
+        if model.tie_word_embeddings:
             self.views["lm_head.weight"] = self.views["model.embed_tokens.weight"]
+        self._weights = self.views
+        self._fused = any(".mlp.experts.0." in k for k in self.views)
 
     def on_switch(self) -> None:
-        """Nothing to do: the views are this sampler's weights, ``allgather_swap`` filled them in place."""
+        """Dense models: nothing to do, the views are this sampler's weights (``allgather_swap`` filled them
+        in place). MoE: transformers keeps each layer's experts as two stacked tensors, built here once per
+        switch from the per-expert checkpoint-layout views (a copy of the expert weights)."""
+        if self._fused:
+            self._weights = fuse_experts(self.views)
 
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return _functional_logits(self.model, self.views, tokens, mask, pos)
+        return _functional_logits(self.model, self._weights, tokens, mask, pos)
 
     @torch.no_grad()
     def generate(
+        self, prompts: list[torch.Tensor], *args: Any, **kw: Any
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`generate_padded` per row: the response tokens and their log-probs."""
+        toks, lps, lengths = self.generate_padded(prompts, *args, **kw)
+        n = lengths.tolist()
+        return [toks[i, : n[i]].clone() for i in range(len(n))], [
+            lps[i, : n[i]].clone() for i in range(len(n))
+        ]
+
+    @torch.no_grad()
+    def generate_padded(
         self,
         prompts: list[torch.Tensor],
         max_new: int,
-        eos_id: int,
+        eos_id: int | Sequence[int],
         pad_id: int,
         temperature: float,
         top_p: float,
         generator: torch.Generator | None,
         greedy: bool = False,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Sample up to ``max_new`` tokens per prompt (stops at ``eos_id``, which is kept). Returns per row
-        the response tokens and their log-probs."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample up to ``max_new`` tokens per prompt (stops at an ``eos_id``, which is kept: one id or
+        several; ``greedy``: argmax). Returns right-padded ``[B, T]`` tokens and their log-probs under the
+        temperature-scaled distribution, and the ``[B]`` lengths."""
         B = len(prompts)
-        plen = max(len(p) for p in prompts)
         dev = self.device
-        tokens = torch.full((B, plen), pad_id, dtype=torch.int64)
-        mask = torch.zeros((B, plen), dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, plen - len(p) :] = p
-            mask[i, plen - len(p) :] = 1
-        tokens, mask = tokens.to(dev), mask.to(dev)
+        tokens = torch.nn.utils.rnn.pad_sequence(
+            [p.long() for p in prompts], batch_first=True, padding_value=pad_id, padding_side="left"
+        ).to(dev)
+        plens = torch.tensor([len(p) for p in prompts], device=dev)
+        mask = (torch.arange(tokens.shape[1], device=dev)[None, :] >= tokens.shape[1] - plens[:, None]).long()
+        eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id), device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.int64, device=dev)
         out_tok, out_lp = [], []
@@ -267,15 +301,14 @@ class HFSampler:
             out_tok.append(nxt)
             out_lp.append(lp)
             lengths += (~done).long()
-            done |= nxt == eos_id
+            ended = torch.isin(nxt, eos)
+            done |= ended
             tokens = torch.cat([tokens, nxt[:, None]], 1)
-            mask = torch.cat([mask, (~done | (nxt == eos_id)).long()[:, None]], 1)
+            mask = torch.cat([mask, (~done | ended).long()[:, None]], 1)
             if bool(done.all()):
                 break
         toks, lps = torch.stack(out_tok, 1), torch.stack(out_lp, 1)
-        return [toks[i, : lengths[i]].clone() for i in range(B)], [
-            lps[i, : lengths[i]].clone() for i in range(B)
-        ]
+        return toks, lps, lengths
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -14,7 +14,11 @@ the caller: a hook on the logits broadcasts their gradient when autograd reaches
 the same backward with it. A follower that fails exits; rank 0's next collective then fails after the
 process group's timeout instead of hanging.
 
-Pipeline parallelism is not supported by this engine yet (``actor.pp`` must be 1).
+Pipeline parallelism: rank 0 is stage 0 and the driver; ``msrl_core.models.pipeline_forward`` runs the
+stages in turn and brings the last stage's logits to the first; a follower of a later stage runs its backward
+from an anchor, receiving its output's gradient from the next stage. Every rank runs the same tokens, so
+``msrl_core.models.finish_grads`` completes the gradients (expert gradients divided by the dispatcher's
+group) and ``grad_norm`` sums the norm over TP, EP and PP.
 """
 
 from __future__ import annotations
@@ -22,19 +26,59 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import threading
-import warnings
 from typing import Any
 
 import torch
 
 from msrl_core.reshard import ModelConfig, Parallel
 from msrl_core.reshard.steps import current_stream
-from msrl_core.trainer.engines import megatron_cpu
+from msrl_core.trainer.config import model_config
 
 # operation codes of the rank-0 -> follower protocol
-_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE = range(11)
-_HDR = 8  # header: [op, model, ndim, d0, d1, d2, arg0, arg1]
+_LOGITS, _FWD, _BWD, _STEP, _ZERO, _SWITCH, _BACK, _SAVE, _STOP, _OPT, _CLONE, _LOAD = range(12)
+# The header: 8 int64 fields [op, model, ndim, d0, d1, d2, int0, int1] and 2 float64 fields [f0, f1] (stored
+# bit for bit in the same int64 tensor: a float travels as a float, never scaled to an integer).
+_HDR_INTS, _HDR_FLOATS = 8, 2
+_HDR = _HDR_INTS + _HDR_FLOATS
+
+
+def pack_header(
+    op: int,
+    model: int = 0,
+    shape: tuple[int, ...] = (),
+    ints: tuple[int, int] = (0, 0),
+    floats: tuple[float, float] = (0.0, 0.0),
+) -> torch.Tensor:
+    """The fixed binary header of one operation (see ``_HDR_INTS``/``_HDR_FLOATS``)."""
+    if len(shape) > 3:
+        raise ValueError(f"an operation's tensor has at most 3 dims; got shape {shape}")
+    hdr = torch.zeros(_HDR, dtype=torch.int64)
+    hdr[0], hdr[1], hdr[2] = op, model, len(shape)
+    for i, d in enumerate(shape):
+        hdr[3 + i] = d
+    hdr[6], hdr[7] = ints
+    hdr[_HDR_INTS:] = torch.tensor(floats, dtype=torch.float64).view(torch.int64)
+    return hdr
+
+
+def unpack_header(
+    hdr: torch.Tensor,
+) -> tuple[int, int, tuple[int, ...], tuple[int, int], tuple[float, float]]:
+    """(op, model, shape, ints, floats) of a header from :func:`pack_header`."""
+    hdr = hdr.cpu()
+    nd = int(hdr[2])
+    f = hdr[_HDR_INTS:].clone().view(torch.float64)
+    return (
+        int(hdr[0]),
+        int(hdr[1]),
+        tuple(int(x) for x in hdr[3 : 3 + nd]),
+        (int(hdr[6]), int(hdr[7])),
+        (float(f[0]), float(f[1])),
+    )
+
+
 PG_TIMEOUT_S = 120
 
 
@@ -63,78 +107,11 @@ def init_distributed(rank: int, world: int, port: int, backend: str = "gloo") ->
     )
 
 
-def build_gpt(mc: ModelConfig, cfg: Any, tp: int, seed: int, device: Any = None) -> Any:
-    """A megatron-core ``GPTModel`` of ``mc`` for this rank (model-parallel state initialised for ``tp``) on
-    ``device`` (default: CPU; an accelerator must be the current device, see ``torch_device``): megatron-core
-    initialises it there itself (its RoPE frequencies follow ``use_cpu_initialization``)."""
-    import torch.nn.functional as F
+def build_policy(cfg: Any, parallel: Parallel, seed: int, device: Any) -> Any:
+    """This rank's ``GPTModel`` of ``cfg.model`` (``msrl_core.models.build_gpt``: the one builder)."""
+    from msrl_core.models import build_gpt
 
-    device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cpu":  # megatron-core's torch.cuda calls redirected (only when training on the CPU)
-        megatron_cpu.activate(force=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer import TransformerConfig
-
-    from msrl_core.reshard.layout import megatron_padded_vocab
-
-    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() != tp:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    dtype = getattr(torch, mc.dtype)
-    tc = TransformerConfig(
-        num_layers=mc.num_layers,
-        hidden_size=mc.hidden_size,
-        num_attention_heads=mc.num_attention_heads,
-        num_query_groups=mc.num_key_value_heads,
-        kv_channels=mc.hd,
-        ffn_hidden_size=mc.intermediate_size,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        use_cpu_initialization=device.type == "cpu",
-        perform_initialization=True,
-        init_method_std=0.02,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=mc.qkv_bias,
-        qk_layernorm=mc.qk_norm,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(cfg.model.norm_epsilon),
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        attention_softmax_in_fp32=True,
-    )
-    spec = get_gpt_layer_local_spec(qk_layernorm=mc.qk_norm, normalization="RMSNorm")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = GPTModel(
-            tc,
-            spec,
-            vocab_size=megatron_padded_vocab(mc.vocab_size, mc.make_vocab_size_divisible_by, tp),
-            max_sequence_length=int(cfg.model.max_position_embeddings),
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=mc.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(cfg.model.rope_theta),
-            parallel_output=False,
-        )
-    return model.to(device)
+    return build_gpt(model_config(cfg.model), parallel, seed=seed, device=device)
 
 
 class _Model:
@@ -162,29 +139,27 @@ class MegatronTrainEngine:
 
         from msrl_core.trainer.engines import process_group_backend, torch_device
 
-        tp, pp, ep = int(cfg.actor.tp), int(cfg.actor.pp), int(cfg.actor.ep)
-        if pp != 1 or ep != 1:
-            raise NotImplementedError(
-                f"the Megatron engine of this trainer supports tensor parallelism only; got actor.pp={pp}, "
-                f"actor.ep={ep} (use 1)"
-            )
+        tp, pp, ep = cfg.actor.tp, cfg.actor.pp, cfg.actor.ep
         self.cfg, self.model_config, self.rank, self.seed = cfg, mc, rank, seed
-        self.parallel = Parallel(tp=tp)
+        self.parallel = Parallel(tp=tp, pp=pp, ep=ep)
         self.device_name = device
         self.device = torch_device(device, rank)
         self._procs: Any = None
-        if rank == 0 and tp > 1:
+        world = tp * pp * ep
+        if rank == 0 and world > 1:
             port = _free_port()
-            self._procs = _spawn_followers(cfg, seed, tp, port, device)
-        init_distributed(rank, tp, port or _free_port(), process_group_backend(device))
+            self._procs = _spawn_followers(cfg, seed, world, port, device)
+        init_distributed(rank, world, port or _free_port(), process_group_backend(device))
         self._lock = threading.RLock()
-        self._models = [_Model(build_gpt(mc, cfg, tp, seed, self.device))]
+        self._models = [_Model(build_policy(cfg, self.parallel, seed, self.device))]
         self.module = self._models[0].module
-        from megatron.core import parallel_state as ps
+        from msrl_core.models import ShardLayout, load_hf_checkpoint, megatron_groups
 
-        self.ps = ps
-        self.tp_group = ps.get_tensor_model_parallel_group() if tp > 1 else None
-        self.groups: dict[str, Any] = {"tp": self.tp_group, "pp": None, "ep": None}
+        if cfg.model.path:  # the checkpoint's weights, this rank's shard (the reshard plan in reverse)
+            load_hf_checkpoint(self.module, cfg.model.path, ShardLayout.from_megatron(), config=mc)
+        self.groups: dict[str, Any] = megatron_groups()
+        self.tp_group, self.ep_group, self.pp_group = self.groups["tp"], self.groups["ep"], self.groups["pp"]
+        self.rpc_group = None  # rank 0's operations reach every rank (the world: tp x pp x ep)
         self._dist = dist
         self._swap: Any = None
         self._infer: Any = None
@@ -194,32 +169,31 @@ class MegatronTrainEngine:
 
     @property
     def world(self) -> int:
-        return self.parallel.tp
+        return self.parallel.tp * self.parallel.pp * self.parallel.ep
 
     def _announce(
-        self, op: int, model: int = 0, shape: tuple[int, ...] = (), a0: int = 0, a1: int = 0
+        self,
+        op: int,
+        model: int = 0,
+        shape: tuple[int, ...] = (),
+        ints: tuple[int, int] = (0, 0),
+        floats: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         if self.world == 1 or self.rank != 0:
             return
-        hdr = torch.zeros(_HDR, dtype=torch.int64)
-        hdr[0], hdr[1], hdr[2] = op, model, len(shape)
-        for i, d in enumerate(shape):
-            hdr[3 + i] = d
-        hdr[6], hdr[7] = a0, a1
-        self._dist.broadcast(hdr.to(self.device), src=0, group=self.tp_group)
+        hdr = pack_header(op, model, shape, ints, floats)
+        self._dist.broadcast(hdr.to(self.device), src=0, group=self.rpc_group)
 
     def _bcast(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            self._dist.broadcast(t, src=0, group=self.tp_group)
+            self._dist.broadcast(t, src=0, group=self.rpc_group)
         return t
 
     def serve(self) -> None:
         """Follower loop: run rank 0's operations until it sends STOP."""
         while True:
-            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device)).cpu()
-            op, model, nd = int(hdr[0]), int(hdr[1]), int(hdr[2])
-            shape = tuple(int(x) for x in hdr[3 : 3 + nd])
-            a0, a1 = int(hdr[6]), int(hdr[7])
+            hdr = self._bcast(torch.zeros(_HDR, dtype=torch.int64, device=self.device))
+            op, model, shape, (a0, a1), (f0, f1) = unpack_header(hdr)
             if op == _STOP:
                 return
             m = self._models[model]
@@ -229,17 +203,16 @@ class MegatronTrainEngine:
                     with torch.no_grad():
                         self._forward(m, tokens)
                 else:
-                    m.pending = self._forward(m, tokens)
+                    self._forward(m, tokens)  # keeps what the backward needs (m.pending)
             elif op == _BWD:
                 grad = self._bcast(torch.zeros(shape, dtype=torch.float32, device=self.device))
-                pending, m.pending = m.pending, None
-                pending.backward(grad.to(pending.dtype))
+                self._backward(m, grad)
             elif op == _ZERO:
                 m.optimizer.zero_grad(set_to_none=True)
             elif op == _STEP:
-                self._clip_and_step(m, a0 / 1e6)
+                self._clip_and_step(m, f0)
             elif op == _OPT:
-                self._make_optimizer(m, a0 / 1e12, a1 / 1e12)
+                self._make_optimizer(m, f0, f1)
             elif op == _SWITCH:
                 self._switch(bool(a0), a1)
             elif op == _BACK:
@@ -248,6 +221,9 @@ class MegatronTrainEngine:
                 self._clone()
             elif op == _SAVE:
                 self._save_follower(a0)
+            elif op == _LOAD:
+                path = self._bcast(torch.zeros(shape, dtype=torch.uint8, device=self.device))
+                self._load_follower(bytes(path.cpu().tolist()).decode())
 
     def close(self) -> None:
         """Stop the followers (rank 0)."""
@@ -260,30 +236,41 @@ class MegatronTrainEngine:
     # ---- local work (both sides) --------------------------------------------------------------------
 
     def _forward(self, m: _Model, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of ``tokens`` (with autograd when it is on) on the first PP stage's
+        ranks; on the other stages an anchor (``msrl_core.models.pipeline_forward``: with PP the stages'
+        activations and, in the backward, their gradients travel between the stages). What the backward
+        needs is kept in ``m.pending``."""
+        from msrl_core.models import pipeline_forward
+
         pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-        out = m.module(tokens, pos, None)
-        return out[..., : self.model_config.vocab_size]
+        out = pipeline_forward(m.module, tokens, pos, None, group=self.pp_group)
+        if out.dim() == 0:  # a later PP stage: its anchor
+            m.pending = out
+            return out
+        logits = out[..., : self.model_config.vocab_size]
+        m.pending = logits
+        return logits
+
+    def _backward(self, m: _Model, grad: torch.Tensor) -> None:
+        """A follower's backward of its last :meth:`_forward` with rank 0's gradient of the logits (a later
+        PP stage: from its anchor, receiving the gradient of its output from the stage after it)."""
+        pending, m.pending = m.pending, None
+        if pending.dim() == 0:
+            pending.backward()
+        else:
+            pending.backward(grad.to(pending.dtype))
 
     def _make_optimizer(self, m: _Model, lr: float, wd: float) -> None:
         m.optimizer = torch.optim.AdamW(m.module.parameters(), lr=lr, weight_decay=wd)
 
-    def _grad_norm(self, m: _Model) -> float:
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in m.module.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.world > 1:
-            self._dist.all_reduce(sharded, group=self.tp_group)
-        return float((sharded + replicated).sqrt())
-
     def _clip_and_step(self, m: _Model, max_norm: float) -> float:
-        norm = self._grad_norm(m)
+        """``msrl_core.models.finish_grads`` (every rank ran the same batch: QK-norm grads summed over TP,
+        expert grads divided by the dispatcher's group size), the global grad norm over TP, EP and PP,
+        clipping to ``max_norm`` (> 0) and the optimizer step when the norm is finite."""
+        from msrl_core.models import finish_grads, grad_norm
+
+        finish_grads(m.module)
+        norm = grad_norm(m.module)
         if norm == norm and norm != float("inf"):  # finite: clip, step
             if max_norm > 0 and norm > max_norm:
                 for p in m.module.parameters():
@@ -310,9 +297,7 @@ class MegatronTrainEngine:
             self._swap.wait()
 
     def _clone(self) -> None:
-        ref = build_gpt(  # process groups: no deepcopy
-            self.model_config, self.cfg, self.parallel.tp, self.seed, self.device
-        )
+        ref = build_policy(self.cfg, self.parallel, self.seed, self.device)  # process groups: no deepcopy
         _load(ref, _params(self.module))
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -333,7 +318,19 @@ class MegatronTrainEngine:
             None,
             None,
         )
-        self._dist.barrier(group=self.tp_group)
+        self._dist.barrier(group=self.rpc_group)
+
+    def _load_follower(self, path: str) -> None:
+        from pathlib import Path
+
+        from msrl_core.trainer import checkpoint as ckpt
+
+        state, opt, _ = ckpt.load(Path(path), self.rank)
+        _load(self.module, {k[7:]: v for k, v in state.items() if k.startswith("policy/")})
+        if len(self._models) > 1:
+            _load(self._models[1].module, {k[4:]: v for k, v in state.items() if k.startswith("ref/")})
+        self._models[0].optimizer.load_state_dict(opt)
+        self._dist.barrier(group=self.rpc_group)
 
     # ---- the TrainEngine interface (rank 0) -------------------------------------------------------------
 
@@ -368,7 +365,7 @@ class MegatronTrainEngine:
 
     def init_optimizer(self, lr: float, weight_decay: float) -> None:
         with self._lock:
-            self._announce(_OPT, 0, (), int(round(lr * 1e12)), int(round(weight_decay * 1e12)))
+            self._announce(_OPT, floats=(lr, weight_decay))
             self._make_optimizer(self._models[0], lr, weight_decay)
 
     def zero_grad(self) -> None:
@@ -378,13 +375,13 @@ class MegatronTrainEngine:
 
     def clip_and_step(self, max_norm: float) -> float:
         with self._lock:
-            self._announce(_STEP, 0, (), int(round(max_norm * 1e6)))
+            self._announce(_STEP, floats=(max_norm, 0.0))
             return self._clip_and_step(self._models[0], max_norm)
 
     def switch(self, flat: Any, plan: Any, bucket_bytes: int, swap: bool) -> Any:
         """``allgather_swap`` of this rank's shard into rank 0's HF-layout ``flat`` buffer (every rank)."""
         with self._lock:
-            self._announce(_SWITCH, 0, (), int(swap), bucket_bytes)
+            self._announce(_SWITCH, ints=(int(swap), bucket_bytes))
             self._infer, self._infer_plan = flat, plan
             return self._switch(swap, bucket_bytes)
 
@@ -403,8 +400,17 @@ class MegatronTrainEngine:
         """Followers write their shards of the checkpoint of ``step`` (into its temporary directory)."""
         if self.world > 1:
             with self._lock:
-                self._announce(_SAVE, 0, (), step)
-                self._dist.barrier(group=self.tp_group)
+                self._announce(_SAVE, ints=(step, 0))
+                self._dist.barrier(group=self.rpc_group)
+
+    def load_followers(self, path: str | os.PathLike[str]) -> None:
+        """Followers load their shards (policy, reference, optimizer) of the checkpoint at ``path``."""
+        if self.world > 1:
+            data = torch.tensor(list(os.fsencode(os.fspath(path))), dtype=torch.uint8)
+            with self._lock:
+                self._announce(_LOAD, 0, tuple(data.shape))
+                self._bcast(data.to(self.device))
+                self._dist.barrier(group=self.rpc_group)
 
     def optimizer_state(self) -> dict[str, Any]:
         return self._models[0].optimizer.state_dict()
@@ -455,9 +461,10 @@ def _load(module: Any, state: dict[str, Any]) -> None:
 
 def _spawn_followers(cfg: Any, seed: int, world: int, port: int, device: str) -> Any:
     import torch.multiprocessing as mp
-    from omegaconf import OmegaConf
 
-    text = OmegaConf.to_yaml(cfg, resolve=True)
+    from msrl_core.trainer.config import to_yaml
+
+    text = to_yaml(cfg)
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_follower_main, args=(r, world, port, text, seed, device), daemon=True)
@@ -482,10 +489,12 @@ def _follower_main(rank: int, world: int, port: int, cfg_yaml: str, seed: int, d
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from omegaconf import OmegaConf
+    from msrl_core.reshard.errors import CheckpointError
+    from msrl_core.trainer.config import from_yaml
 
-    from msrl_core.trainer.config import model_config
-
-    cfg: Any = OmegaConf.create(cfg_yaml)
-    engine = MegatronTrainEngine(cfg, model_config(cfg), seed, rank=rank, port=port, device=device)
+    cfg = from_yaml(cfg_yaml)
+    try:
+        engine = MegatronTrainEngine(cfg, model_config(cfg.model), seed, rank=rank, port=port, device=device)
+    except CheckpointError:  # every rank raises it together; rank 0 reports it
+        sys.exit(1)
     engine.serve()

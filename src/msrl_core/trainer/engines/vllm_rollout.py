@@ -97,8 +97,7 @@ class VLLMSampler:
         from msrl_core.reshard import vllm as rv  # type: ignore[attr-defined]  # the reshard issue's loader
         from msrl_core.trainer.engines.hf import transformers_model
 
-        hf = transformers_model(mc, float(cfg.model.rope_theta), int(cfg.model.max_position_embeddings))
-        hf.config.torch_dtype = getattr(torch, mc.dtype)
+        hf = transformers_model(cfg.model)  # the model section: the same eps, RoPE base, positions
         model_dir.mkdir(parents=True, exist_ok=True)
         hf.config.save_pretrained(str(model_dir))  # the config only: the weights arrive through the switch
         self.model = hf  # its config is what checkpoints record
@@ -108,12 +107,12 @@ class VLLMSampler:
 
         from msrl_core.trainer.config import rows_per_step
 
-        max_len, tp = int(cfg.model.max_position_embeddings), int(cfg.rollout.tp)
+        max_len, tp = cfg.model.max_position_embeddings, cfg.rollout.tp
         if current_platform.is_cpu():
             # rows of one step, or a validation chunk of 64 (GRPOTrainer.validate), at once
             placement = cpu_engine_kwargs(mc, max_len, min(256, max(64, rows_per_step(cfg))), tp)
         else:
-            placement = device_engine_kwargs(float(cfg.rollout.gpu_memory_utilization), current_platform)
+            placement = device_engine_kwargs(cfg.rollout.gpu_memory_utilization, current_platform)
         self.sleep_mode = bool(placement.get("enable_sleep_mode", False))
         self._asleep = False  # release() discarded the weights and KV cache; the next switch refills them
         self.llm = LLM(
@@ -149,7 +148,7 @@ class VLLMSampler:
         self,
         prompts: list[torch.Tensor],
         max_new: int,
-        eos_id: int,
+        eos_id: Any,
         pad_id: int,
         temperature: float,
         top_p: float,
@@ -172,7 +171,7 @@ class VLLMSampler:
                 temperature=0.0 if greedy else temperature,
                 top_p=1.0 if greedy else top_p,
                 max_tokens=max_new,
-                stop_token_ids=[eos_id],
+                stop_token_ids=[eos_id] if isinstance(eos_id, int) else list(eos_id),
                 logprobs=0,
                 seed=s,
             )
@@ -189,6 +188,13 @@ class VLLMSampler:
                 )
             )
         return toks, lps
+
+    def generate_padded(self, prompts: list[torch.Tensor], *args: Any, **kw: Any) -> Any:
+        """:meth:`generate` as right-padded ``[B, T]`` tokens and log-probs and the ``[B]`` lengths."""
+        toks, lps = self.generate(prompts, *args, **kw)
+        lengths = torch.tensor([len(t) for t in toks], dtype=torch.int64)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return pad(toks, batch_first=True), pad(lps, batch_first=True), lengths
 
     def close(self) -> None:
         """Stop the engine's processes now (not at interpreter exit)."""

@@ -1,0 +1,567 @@
+"""``transfer_queue``-compatible module over the dock's own control plane: verl's subset of TransferQueue.
+
+verl V1 uses TransferQueue 0.1.11 as a key-value store with tags. This module implements the part verl
+calls — ``init``, ``close``, ``get_client``, ``get_metrics_endpoint``, ``kv_put`` / ``async_kv_put``,
+``kv_batch_put`` / ``async_kv_batch_put``, ``kv_batch_get`` (+ ``_by_meta``, async twins), ``kv_list``,
+``kv_clear``, ``save_checkpoint``, ``load_checkpoint``; the client calls ``async_get_data``, ``async_put(data,
+metadata=)``, ``async_kv_retrieve_meta(create=)``, ``async_kv_retrieve_keys``; the types ``KVBatchMeta`` and
+``BatchMeta`` (TransferQueue's own classes) — on a Ray-backend msrl_core Dock, with no TransferQueue
+controller: TQ partitions are dock partitions, TQ keys are dock keys, tags are dock tags, global indexes are
+dock row ids. ``install()`` puts this module in ``sys.modules["transfer_queue"]`` (name it as Ray's
+``worker_process_setup_hook`` to do that in every worker). Fields are stored as the MsrlDock backend stores
+them (``msrl_core.integrations.transfer_queue``: one dock column per field and kind, exactly what
+SimpleStorage returns comes back); the column of each (key, field) is a reserved tag entry
+(``RESERVED_TAG + field``) written with the data in the same all-or-nothing put and hidden from ``kv_list``.
+
+Not implemented (verl does not use them): ``get_meta`` / samplers / consumption and production status,
+``StreamingDataset``, ``clear_partition`` from the client, metrics, ``data_parser``. For TransferQueue's own
+e2e tests a named actor ``TransferQueueController`` (namespace ``transfer_queue``) answers the three calls
+they make to TQ's controller (``list_partitions``, ``clear_partition``, ``get_partition_snapshot``) from the
+dock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig
+from tensordict import NonTensorStack, TensorDict
+from transfer_queue.metadata import BatchMeta, KVBatchMeta
+
+from msrl_core.dock import Dock
+from msrl_core.dock._objects import ObjectCodec
+from msrl_core.errors import InvalidArgument, NotFound
+from msrl_core.integrations import transfer_queue as _msrl_tq  # refuses transferqueue other than 0.1.11
+
+__all__ = [
+    "BatchMeta",
+    "KVBatchMeta",
+    "async_kv_batch_get",
+    "async_kv_batch_get_by_meta",
+    "async_kv_batch_put",
+    "async_kv_clear",
+    "async_kv_list",
+    "async_kv_put",
+    "close",
+    "get_client",
+    "get_metrics_endpoint",
+    "init",
+    "install",
+    "kv_batch_get",
+    "kv_batch_get_by_meta",
+    "kv_batch_put",
+    "kv_clear",
+    "kv_list",
+    "kv_put",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+CONTROLLER_NAME = "TransferQueueController"
+NAMESPACE = "transfer_queue"
+RESERVED_TAG = "\x00msrl.column:"
+_METADATA_FILE = "metadata.json"
+
+_STATE_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}  # dock, codec, controller, owner, client
+
+
+def install() -> None:
+    """Makes ``import transfer_queue`` return this module in this process (Ray worker_process_setup_hook).
+
+    TransferQueue itself is imported first (its metadata types are used as they are)."""
+    sys.modules["transfer_queue"] = sys.modules[__name__]
+
+
+# ---- the stand-in for TQ's controller actor (what TQ's e2e tests ask it) --------------------------
+
+
+class PartitionSnapshot:
+    """The parts of TQ's ``DataPartitionStatus`` its e2e tests read."""
+
+    def __init__(self, keys_mapping: dict, custom_meta: dict, fields: list[str], written: np.ndarray):
+        self.keys_mapping = keys_mapping
+        self.global_indexes = set(keys_mapping.values())
+        self.custom_meta = custom_meta
+        self.field_name_mapping = {f: j for j, f in enumerate(fields)}
+        rows = max(self.global_indexes, default=-1) + 1
+        status = torch.zeros(rows, len(fields), dtype=torch.int8)
+        for i, row in enumerate(keys_mapping.values()):
+            status[row] = torch.from_numpy(written[i].astype(np.int8))
+        self.production_status = status
+
+
+class _Controller:
+    def __init__(self, dock: Any, codec: ObjectCodec):
+        self.dock = dock
+        self.codec = codec
+
+    def handle(self) -> tuple[Any, ObjectCodec]:
+        return self.dock, self.codec
+
+    def list_partitions(self) -> list[str]:
+        return list(self.dock.partitions())
+
+    def clear_partition(self, partition_id: str) -> None:
+        if partition_id in self.dock.partitions():
+            self.dock.drop_partition(partition_id)
+
+    def get_partition_snapshot(self, partition_id: str) -> PartitionSnapshot | None:
+        if partition_id not in self.dock.partitions():
+            return None
+        tags = self.dock.tags(partition=partition_id)
+        keys = list(tags)
+        user = {k: _user_tags(t) for k, t in tags.items()}
+        fields = sorted({f for t in tags.values() for f in _columns(t)})
+        written = np.array([[f in _columns(tags[k]) for f in fields] for k in keys], dtype=bool).reshape(
+            len(keys), len(fields)
+        )
+        rows = self.dock.rows_of(keys, partition=partition_id) if keys else np.empty(0, np.int64)
+        mapping = {k: int(r) for k, r in zip(keys, rows)}
+        return PartitionSnapshot(mapping, {mapping[k]: user[k] for k in keys}, fields, written)
+
+
+# ---- tags: the user's and the reserved column entries ------------------------------------------
+
+
+def _columns(tag: dict) -> dict[str, str]:
+    return {k[len(RESERVED_TAG) :]: v for k, v in tag.items() if k.startswith(RESERVED_TAG)}
+
+
+def _user_tags(tag: dict) -> dict:
+    return {k: v for k, v in tag.items() if not k.startswith(RESERVED_TAG)}
+
+
+# ---- lifecycle ----------------------------------------------------------------------------------
+
+
+def _options(conf: Any) -> dict[str, int]:
+    block = None
+    if conf is not None:
+        backend = conf.get("backend") if hasattr(conf, "get") else None
+        block = backend.get(_msrl_tq.BACKEND_NAME) if backend is not None else None
+    return _msrl_tq._user_options(block or {})
+
+
+def init(conf: DictConfig | dict | None = None) -> DictConfig | dict | None:
+    """Creates the dock (first call in the cluster) or attaches to it (later calls, any Ray process).
+
+    ``conf``: TransferQueue's config; only ``backend.MsrlDock.capacity`` / ``.warehouses`` are read."""
+    with _STATE_LOCK:
+        if _STATE.get("dock") is not None:
+            return conf
+        if not ray.is_initialized():
+            ray.init()
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            owner = False
+        except ValueError:
+            opts = _options(conf)
+            dock: Any = Dock(
+                columns={},
+                stages={},
+                capacity=opts["capacity"],
+                warehouses=opts["warehouses"],
+                backend="ray",
+                output="torch",
+            )
+            codec = ObjectCodec.new(allow_pickle=True)
+            try:
+                actor_cls: Any = ray.remote(_Controller)
+                named = actor_cls.options(
+                    name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0.01, max_concurrency=8
+                )
+                controller = named.remote(dock, codec)
+                ray.get(controller.handle.remote())
+                owner = True
+            except ValueError:  # another process won the race: use its dock
+                dock.shutdown()
+                controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+                owner = False
+        dock, codec = ray.get(controller.handle.remote())
+        _STATE.update(dock=dock, codec=codec, controller=controller, owner=owner, client=Client(dock, codec))
+    return conf
+
+
+def close() -> None:
+    with _STATE_LOCK:
+        client = _STATE.get("client")
+        if client is not None:
+            client.close()
+        if _STATE.get("owner"):
+            try:
+                _STATE["dock"].shutdown()
+            finally:
+                ray.kill(_STATE["controller"])
+        _STATE.clear()
+
+
+def get_metrics_endpoint() -> str | None:
+    """No Prometheus exporter here (the dock's figures are ``Dock.stats()``)."""
+    return None
+
+
+def get_client() -> Client:
+    client = _STATE.get("client")
+    if client is None:
+        init()
+        client = _STATE["client"]
+    return client
+
+
+# ---- the client ---------------------------------------------------------------------------------
+
+
+def _key_list(keys: Any) -> list:
+    return [keys] if isinstance(keys, (str, int)) else list(keys)
+
+
+class Client:
+    """The client calls verl makes (``tq.get_client()``), plus the key-value operations behind the module
+    functions. Dock calls block (natively, GIL released); the async methods run them on a thread pool."""
+
+    def __init__(self, dock: Any, codec: ObjectCodec):
+        self.dock = dock
+        self.codec = codec
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="msrl-tq-compat")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    # -- synchronous core --
+
+    def put(self, keys: list, partition_id: str, fields: TensorDict | None, tags: list[dict] | None) -> dict:
+        """Writes fields and/or tags of keys; returns their tags after the put (reserved entries included)."""
+        n = len(keys)
+        if fields is None and tags is None:
+            raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
+        if fields is not None and fields.batch_size[0] != n:
+            raise ValueError(
+                f"`keys` with length {n} does not match the `fields` TensorDict with batch_size "
+                f"{fields.batch_size[0]}"
+            )
+        if tags is not None and len(tags) != n:
+            raise ValueError(f"keys with length {n} does not match length of tags {len(tags)}")
+        bad = [k for t in (tags or []) for k in t if str(k).startswith(RESERVED_TAG)]
+        if bad:
+            raise ValueError(f"tag keys starting with {RESERVED_TAG!r} are reserved, got {bad[0]!r}")
+        merged = [dict(t) for t in tags] if tags is not None else [{} for _ in keys]
+        if fields is not None:
+            columns, chosen = _msrl_tq.encode_fields(fields, n, self.codec)
+            reserved = {RESERVED_TAG + f: c for f, c in chosen.items()}
+            for t in merged:
+                t.update(reserved)
+            self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
+        else:
+            self.dock.tag(keys, merged, partition=partition_id)
+        return self.dock.tags(partition=partition_id, keys=keys)
+
+    def get(self, keys: list, partition_id: str, select_fields: list[str] | None) -> TensorDict:
+        try:
+            tags = self.dock.tags(partition=partition_id, keys=keys)
+        except NotFound:
+            raise ValueError(f"keys or partition were not found! partition {partition_id!r}") from None
+        cols = [_columns(tags[k]) for k in keys]
+        if select_fields is None:  # as TQ: the fields every requested key has
+            fields = sorted(set.intersection(*[set(c) for c in cols])) if cols else []
+        else:
+            fields = list(select_fields)
+        missing = [(k, f) for k, c in zip(keys, cols) for f in fields if f not in c]
+        if missing:
+            raise ValueError(
+                f"Some fields are not ready in all the requested keys! key {missing[0][0]!r} has no field "
+                f"{missing[0][1]!r} in partition {partition_id!r}"
+            )
+        n = len(keys)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for pos, c in enumerate(cols):
+            groups.setdefault(tuple(c[f] for f in fields), []).append(pos)
+        parts: dict[str, list[tuple[list[int], str, Any]]] = {f: [] for f in fields}
+        for group_cols, positions in groups.items():
+            batch = self.dock.get(
+                [keys[p] for p in positions], sorted(set(group_cols)), partition=partition_id, output="torch"
+            )
+            for field, col in zip(fields, group_cols):
+                kind, value = _msrl_tq.decode_column(col, batch[col], self.codec)
+                parts[field].append((positions, kind, value))
+        return TensorDict({f: _msrl_tq.pack_field(parts[f], n) for f in fields}, batch_size=n)
+
+    def list_keys(self, partition_id: str | None) -> dict[str, dict]:
+        if partition_id is not None and partition_id not in self.dock.partitions():
+            return {}
+        listed = self.dock.list(partition_id)
+        return {p: {k: _user_tags(t) for k, t in kt.items()} for p, kt in listed.items()}
+
+    def clear(self, keys: list, partition_id: str) -> None:
+        if partition_id in self.dock.partitions():
+            _msrl_tq.erase_present(self.dock, keys, partition_id)
+
+    def meta(self, keys: list, partition_id: str, create: bool) -> BatchMeta:
+        if create:
+            self.dock.tag(keys, {}, partition=partition_id)
+        try:
+            tags = self.dock.tags(partition=partition_id, keys=keys)
+            rows = self.dock.rows_of(keys, partition=partition_id)
+        except NotFound:
+            return BatchMeta.empty()
+        return _batch_meta(keys, rows, partition_id, tags)
+
+    # -- verl's client calls --
+
+    async def async_kv_retrieve_meta(self, keys: Any, partition_id: str, create: bool = False) -> BatchMeta:
+        return await self._call(self.meta, _key_list(keys), partition_id, create)
+
+    async def async_kv_retrieve_keys(self, global_indexes: Any, partition_id: str) -> list:
+        rows = [int(i) for i in global_indexes]
+        return list(await self._call(self.dock.keys_of, rows, partition=partition_id))
+
+    async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
+        if metadata.size == 0 or not metadata.field_names:
+            return TensorDict({}, batch_size=0)
+        partition = _one_partition(metadata)
+        keys = await self.async_kv_retrieve_keys(metadata.global_indexes, partition)
+        return await self._call(self.get, keys, partition, list(metadata.field_names))
+
+    async def async_put(
+        self, data: TensorDict, metadata: BatchMeta | None = None, partition_id: str | None = None, **kw: Any
+    ) -> BatchMeta:
+        if kw.get("data_parser") is not None:
+            raise NotImplementedError("data_parser is not supported by msrl_core.compat.transfer_queue")
+        if metadata is None or metadata.size == 0:
+            raise ValueError("put() here needs the BatchMeta of existing keys (kv_retrieve_meta)")
+        partition = _one_partition(metadata)
+        keys = await self.async_kv_retrieve_keys(metadata.global_indexes, partition)
+        await self._call(self.put, keys, partition, data, None)
+        return metadata.add_fields(data)
+
+    def kv_retrieve_meta(self, keys: Any, partition_id: str, create: bool = False) -> BatchMeta:
+        return self.meta(_key_list(keys), partition_id, create)
+
+    def kv_retrieve_keys(self, global_indexes: Any, partition_id: str) -> list:
+        return list(self.dock.keys_of([int(i) for i in global_indexes], partition=partition_id))
+
+    def get_data(self, metadata: BatchMeta) -> TensorDict:
+        return _run(self.async_get_data(metadata))
+
+    def put_data(self, data: TensorDict, metadata: BatchMeta) -> BatchMeta:
+        return _run(self.async_put(data, metadata))
+
+    def get_partition_list(self) -> list[str]:
+        return list(self.dock.partitions())
+
+
+def _one_partition(metadata: BatchMeta) -> str:
+    parts = set(metadata.partition_ids)
+    if len(parts) != 1:
+        raise InvalidArgument(f"a BatchMeta of one partition is needed here, got partitions {sorted(parts)}")
+    return parts.pop()
+
+
+def _field_schema(column: str) -> dict[str, Any]:
+    _, dtype, ndim, trail = _msrl_tq._parse_kind(column)
+    if dtype is None:
+        return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
+    return {"dtype": dtype, "shape": None, "is_nested": ndim > 0, "is_non_tensor": False}
+
+
+def _batch_meta(keys: list, rows: Any, partition_id: str, tags: dict) -> BatchMeta:
+    cols = [_columns(tags[k]) for k in keys]
+    fields = sorted({f for c in cols for f in c})
+    schema = {}
+    for f in fields:
+        first = next((c[f] for c in cols if f in c), None)
+        if first is not None:
+            schema[f] = _field_schema(first)
+    ready = np.array([all(f in c for f in fields) for c in cols], dtype=np.int8)
+    return BatchMeta(
+        global_indexes=[int(r) for r in rows],
+        partition_ids=[partition_id] * len(keys),
+        field_schema=schema,
+        production_status=ready,
+        custom_meta=[_user_tags(tags[k]) for k in keys],
+    )
+
+
+def _run(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    raise RuntimeError("call the async_ variant from inside an event loop")
+
+
+# ---- the key-value module functions --------------------------------------------------------------
+
+
+def _kv_meta(keys: list, partition_id: str, tags: dict) -> KVBatchMeta:
+    cols = [_columns(tags[k]) for k in keys]
+    fields = sorted({f for c in cols for f in c})
+    return KVBatchMeta(
+        keys=keys, tags=[_user_tags(tags[k]) for k in keys], partition_id=partition_id, fields=fields
+    )
+
+
+def _single_fields(fields: TensorDict | dict | None) -> TensorDict | None:
+    if fields is None or isinstance(fields, TensorDict):
+        return fields
+    if not isinstance(fields, dict):
+        raise ValueError("`fields` can only be dict or TensorDict")
+    batch = {}
+    for name, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            if value.is_nested:
+                raise ValueError("Please use (async)kv_batch_put for batch operation")
+            batch[name] = value.unsqueeze(0)
+        else:
+            batch[name] = NonTensorStack(value)
+    return TensorDict(batch, batch_size=[1])
+
+
+def kv_put(
+    key: Any, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+) -> KVBatchMeta:
+    if fields is None and tag is None:
+        raise ValueError("Please provide at least one parameter of fields or tag.")
+    return kv_batch_put(
+        [key], partition_id, _single_fields(fields), None if tag is None else [tag], data_parser
+    )
+
+
+def kv_batch_put(
+    keys: list,
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
+    if data_parser is not None:
+        raise NotImplementedError("data_parser is not supported by msrl_core.compat.transfer_queue")
+    keys = _key_list(keys)
+    got = get_client().put(keys, partition_id, fields, tags)
+    return _kv_meta(keys, partition_id, got)
+
+
+def kv_batch_get(keys: Any, partition_id: str, select_fields: Any = None) -> TensorDict:
+    fields = [select_fields] if isinstance(select_fields, str) else select_fields
+    return get_client().get(_key_list(keys), partition_id, fields)
+
+
+def kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: Any = None) -> TensorDict:
+    if meta.partition_id is None:
+        raise ValueError("Must provide partition_id in the input KVBatchMeta.")
+    if select_fields is not None:
+        wanted = [select_fields] if isinstance(select_fields, str) else list(select_fields)
+        if meta.fields is None or any(f not in meta.fields for f in wanted):
+            raise ValueError(
+                f"Some fields assigned in select_fields not found in the metadata. "
+                f"Assigned: {wanted}; Fields in KVBatchMeta: {meta.fields}."
+            )
+    else:
+        wanted = meta.fields
+    return kv_batch_get(meta.keys, meta.partition_id, wanted)
+
+
+def kv_list(partition_id: str | None = None) -> dict[str, dict]:
+    return get_client().list_keys(partition_id)
+
+
+def kv_clear(keys: Any, partition_id: str) -> None:
+    get_client().clear(_key_list(keys), partition_id)
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await get_client()._call(fn, *args, **kwargs)
+
+
+async def async_kv_put(
+    key: Any, partition_id: str, fields: Any = None, tag: dict | None = None, data_parser: Any = None
+) -> KVBatchMeta:
+    return await _in_thread(kv_put, key, partition_id, fields, tag, data_parser)
+
+
+async def async_kv_batch_put(
+    keys: list,
+    partition_id: str,
+    fields: TensorDict | None = None,
+    tags: list | None = None,
+    data_parser: Any = None,
+) -> KVBatchMeta:
+    return await _in_thread(kv_batch_put, keys, partition_id, fields, tags, data_parser)
+
+
+async def async_kv_batch_get(keys: Any, partition_id: str, select_fields: Any = None) -> TensorDict:
+    return await _in_thread(kv_batch_get, keys, partition_id, select_fields)
+
+
+async def async_kv_batch_get_by_meta(meta: KVBatchMeta, select_fields: Any = None) -> TensorDict:
+    return await _in_thread(kv_batch_get_by_meta, meta, select_fields)
+
+
+async def async_kv_list(partition_id: str | None = None) -> dict[str, dict]:
+    return await _in_thread(kv_list, partition_id)
+
+
+async def async_kv_clear(keys: Any, partition_id: str) -> None:
+    return await _in_thread(kv_clear, keys, partition_id)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path, *, include_storage: bool = True, metadata: dict | None = None
+) -> None:
+    """Every partition (keys, tags, bytes) via the dock's own save, plus ``metadata.json``; atomic."""
+    if _STATE.get("dock") is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    dock = _STATE["dock"]
+    checkpoint_dir = Path(checkpoint_dir)
+    tmp = checkpoint_dir.parent / f"{checkpoint_dir.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        partitions = list(dock.partitions())
+        for i, p in enumerate(partitions):
+            dock.save(p, tmp / f"partition_{i}")
+        meta = {"partitions": partitions, "storage_saved": True, "user_metadata": metadata or {}}
+        (tmp / _METADATA_FILE).write_text(json.dumps(meta))
+        if checkpoint_dir.exists():
+            shutil.rmtree(checkpoint_dir)
+        tmp.rename(checkpoint_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_checkpoint(checkpoint_dir: str | Path) -> None:
+    """Replaces every partition by the checkpoint's."""
+    if _STATE.get("dock") is None:
+        raise RuntimeError("TransferQueue is not initialized. Call tq.init() first.")
+    dock = _STATE["dock"]
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.exists():
+        raise FileNotFoundError(f"Checkpoint directory not found: {checkpoint_dir}")
+    meta_path = checkpoint_dir / _METADATA_FILE
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{_METADATA_FILE} not found in {checkpoint_dir}")
+    meta = json.loads(meta_path.read_text())
+    for p in list(dock.partitions()):
+        dock.drop_partition(p)
+    for i, p in enumerate(meta["partitions"]):
+        dock.create_partition(p)
+        dock.load(p, checkpoint_dir / f"partition_{i}")
