@@ -142,8 +142,9 @@ class _BackendSwitch:
         wanted = os.environ.get("MSRL_TQ_UPSTREAM")
         if wanted is None:
             return
-        missing = [f for f in wanted.split() if f not in self.seen_files]
-        empty = [f"{f} ({b})" for f in self.seen_files for b in BACKENDS if self.counts.get((f, b), 0) == 0]
+        files = wanted.split()
+        missing = [f for f in files if f not in self.seen_files]
+        empty = [f"{f} ({b})" for f in files for b in BACKENDS if self.counts.get((f, b), 0) == 0]
         if missing or empty:
             raise pytest.UsageError(
                 f"TransferQueue's e2e files not collected: missing {missing}, no tests for {empty}"
