@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 
 from msrl_core.reshard import ModelConfig  # noqa: E402
 from msrl_core.reshard import vllm as rv  # noqa: E402
+from msrl_core.trainer.config import ModelSection  # noqa: E402
 from msrl_core.trainer.engines import vllm_rollout  # noqa: E402
 from msrl_core.trainer.engines.vllm_rollout import VLLMSampler  # noqa: E402
 
@@ -98,7 +99,17 @@ def fake_vllm(monkeypatch):
 
 
 def _cfg():
-    model = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=64)
+    # the trainer's model section, the one description the sampler builds its engine config from (= MC)
+    model = ModelSection(
+        arch="llama",
+        vocab_size=18,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_layers=1,
+        num_attention_heads=2,
+        num_query_groups=2,
+        max_position_embeddings=64,
+    )
     return SimpleNamespace(model=model, rollout=SimpleNamespace(tp=1, gpu_memory_utilization=0.4))
 
 
