@@ -159,9 +159,9 @@ def test_megatron_tp2_short_run(tmp_path):
     rows = read_metrics(tmp_path)
     check_steps(rows, 2, 16)
     ckpt = Path(tmp_path) / "checkpoints" / "step_2"
-    assert {"train_rank0.safetensors", "train_rank1.safetensors", "model.safetensors"} <= {
-        p.name for p in ckpt.iterdir()
-    }
+    # only the HF weights at the top: vLLM loads every top-level *.safetensors of a directory without index
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["model.safetensors"]
+    assert {"rank0.safetensors", "rank1.safetensors"} <= {p.name for p in (ckpt / "train_state").iterdir()}
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 2
 
 

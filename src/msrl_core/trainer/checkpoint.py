@@ -6,8 +6,11 @@
   Face layout, ``to_hf`` through ``allgather_swap``), the tokenizer with its chat template and
   ``generation_config.json``: loadable with transformers' ``from_pretrained`` and trainable again as
   ``model.path``;
-- ``train_rank<r>.safetensors``: each training rank's Megatron-layout shard (what resume loads);
-- ``optimizer_rank<r>.pt``: the optimizer state (tensors and numbers only, read with ``weights_only=True``);
+- ``train_state/rank<r>.safetensors``: each training rank's Megatron-layout shard (what resume loads);
+- ``train_state/optimizer_rank<r>.pt``: the optimizer state (tensors and numbers only, read with
+  ``weights_only=True``). In a folder of their own: vLLM loads every ``*.safetensors`` at the top of a
+  directory that has no index, so a training shard beside ``model.safetensors`` made the checkpoint
+  unloadable there;
 - ``trainer_state.json``: the step and the prompt loader's position.
 
 A checkpoint directory is written under a temporary name and renamed when complete, so an interrupted save
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 CKPT_DIR = "checkpoints"
+TRAIN_STATE = "train_state"  # the ranks' training shards and optimizer states, beside the HF files
 
 
 def step_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
@@ -65,12 +69,12 @@ def save(
 
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.detach().clone().contiguous() for k, v in train_state.items()},
-        str(tmp / f"train_rank{rank}.safetensors"),
+        str(tmp / TRAIN_STATE / f"rank{rank}.safetensors"),
     )
-    torch.save(optimizer_state, tmp / f"optimizer_rank{rank}.pt")
+    torch.save(optimizer_state, tmp / TRAIN_STATE / f"optimizer_rank{rank}.pt")
     if hf is not None:
         save_hf(*hf[:2], tmp, tokenizer=hf[2])
     if trainer_state is not None:
@@ -111,7 +115,7 @@ def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any], dict[st
     """(train_state, optimizer_state, trainer_state) of one rank."""
     from safetensors.torch import load_file
 
-    train = load_file(str(path / f"train_rank{rank}.safetensors"))
-    opt = torch.load(path / f"optimizer_rank{rank}.pt", weights_only=True)
+    train = load_file(str(path / TRAIN_STATE / f"rank{rank}.safetensors"))
+    opt = torch.load(path / TRAIN_STATE / f"optimizer_rank{rank}.pt", weights_only=True)
     state = json.loads((path / "trainer_state.json").read_text())
     return train, opt, state
