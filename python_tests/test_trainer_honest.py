@@ -68,7 +68,7 @@ def test_missing_extra_is_one_line_naming_it(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "pip install 'msrl_core[train]'" in lines[0]
+    assert "pip install '.[train]' in the msrl_core checkout" in lines[0]
     assert "omegaconf" in lines[0] and "megatron-core" in lines[0]
     assert list(tmp_path.iterdir()) == []  # nothing written
 

@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         print(
             f"msrl {args.command}: needs the 'train' extra (missing: {', '.join(missing)}): "
-            "pip install 'msrl_core[train]'",
+            "pip install '.[train]' in the msrl_core checkout (msrl_core is not on PyPI)",
             file=sys.stderr,
         )
         return 2
