@@ -33,7 +33,26 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
             theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"]
         )
         res["ours_vs_verl_but_lm_head"] = iu.compare(ours, theirs)
-    res["ours_buckets"] = eng._msrl_export.telemetry.buckets
+    tele = eng._msrl_export.telemetry
+    res["ours_buckets"] = tele.buckets
+    res["telemetry"] = {
+        k: getattr(tele, k)
+        for k in (
+            "inplace_tensors",
+            "bytes_inplace",
+            "bytes_yielded",
+            "gather_buckets",
+            "skipped_buckets",
+            "direct_buckets",
+            "gather_scratch_bytes",
+            "output_scratch_bytes",
+        )
+    }
+    # the in-place tensors are views of this rank's own parameter storages (no copy); the others are not
+    storages = {p.untyped_storage().data_ptr() for p in params.values()}
+    res["aliasing"] = sum(
+        t.untyped_storage().data_ptr() in storages for _, t in eng.get_per_tensor_param()[0]
+    )
     res["dtypes"] = sorted({str(t.dtype) for t in ours.values()})
     _, train = megatron_layout(eng.module, hf_config, ps)
     res["verl_vs_reference"] = iu.compare(

@@ -25,7 +25,15 @@ from .spec import (
     vllm_targets,
 )
 
-__all__ = ["Bucket", "ReshardPlan", "StreamBucket", "megatron_to_vllm", "to_hf", "execute_numpy"]
+__all__ = [
+    "Bucket",
+    "ReshardPlan",
+    "StreamBucket",
+    "execute_numpy",
+    "megatron_to_vllm",
+    "rebase_onto_params",
+    "to_hf",
+]
 
 ALIGN = 64
 INFER_RANK_ATTR = (
@@ -63,12 +71,15 @@ class StreamBucket:
 
     ``tensors``: ``(name, byte offset, shape)``; ``zero``: ``(byte offset, nbytes)`` of tensors the copies do
     not cover completely (vLLM's zero vocab-padding rows), cleared before the copies since the scratch is
-    reused; ``nbytes``: the output bytes of this bucket."""
+    reused; ``nbytes``: the output bytes of this bucket; ``inplace``: ``(name, shape)`` of the tensors that
+    are yielded as views of this rank's own training parameters (no copy; see
+    :meth:`ReshardPlan.inplace_targets`), empty unless the schedule was built with ``inplace``."""
 
     gather: tuple[int, ...]
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...]
     zero: tuple[tuple[int, int], ...]
     nbytes: int
+    inplace: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 class ReshardPlan:
@@ -92,8 +103,10 @@ class ReshardPlan:
         self._targets: dict[int, list[Target]] = {}
         self._buckets: dict[int, list[Bucket]] = {}
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._native: dict[tuple[int, int, bool], list[Any]] = {}
-        self._stream: dict[tuple[int, int], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._native: dict[tuple[int, int, bool, frozenset[str]], list[Any]] = {}
+        self._stream: dict[tuple[int, int, frozenset[str]], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._inplace: dict[tuple[int, int, int, int], dict[str, tuple[str, int]]] = {}
+        self._needed: dict[int, frozenset[int]] = {}
         self._hf_plan: ReshardPlan | None = None
         self._reverse: dict[tuple[int, int, int], list[Target]] = {}
         self._frozen = True
@@ -247,8 +260,104 @@ class ReshardPlan:
         self._descs[key] = out
         return out
 
+    def inplace_targets(
+        self, infer_rank: int = 0, stage: int = 0, tp_rank: int = 0, ep_rank: int = 0
+    ) -> dict[str, tuple[str, int]]:
+        """The inference tensors of ``infer_rank`` that the training rank ``(stage, tp_rank, ep_rank)`` holds
+        as one contiguous range of one of its own parameters, in order: ``{name: (stage-local parameter,
+        element offset)}``. Such a tensor needs no gather and no copy: a switch can hand out a view of the
+        parameter (training TP 1 dense weights, the local experts of an EP rank, replicated norms).
+
+        The rule reads the plan's pieces: every piece of the target comes from the same parameter on this
+        rank (its ``member`` in the source's group), takes all of the parameter's columns, and the pieces'
+        local rows follow each other in the target's row order."""
+        key = (infer_rank, stage, tp_rank, ep_rank)
+        if key in self._inplace:
+            return self._inplace[key]
+        me = {"tp": tp_rank, "ep": ep_rank}
+        out: dict[str, tuple[str, int]] = {}
+        for t in self.targets(infer_rank):
+            where = self._local_rows(t, stage, me)
+            if where is not None:
+                out[t.name] = where
+        self._inplace[key] = out
+        return out
+
+    def inplace_targets_any(self, infer_rank: int = 0) -> set[str]:
+        """Names that are in place on at least one training rank (see :meth:`inplace_targets`)."""
+        tr = self.train
+        return {
+            n
+            for s in range(tr.pp)
+            for tp in range(tr.tp)
+            for ep in range(tr.ep)
+            for n in self.inplace_targets(infer_rank, s, tp, ep)
+        }
+
+    def _local_rows(self, t: Target, stage: int, me: dict[str, int]) -> tuple[str, int] | None:
+        """``(param, element offset)`` where target ``t`` is one contiguous range of a local parameter."""
+        if not t.pieces:
+            return None
+        param, next_row, first, dst = None, None, 0, 0
+        for pc in sorted(t.pieces, key=lambda p: p.dst_row):
+            src = self.hf[pc.hf].src
+            lcols = src.local_shape[1]
+            if src.stage != stage or pc.dst_row != dst or pc.dst_col or pc.col0 or pc.ncols != lcols:
+                return None
+            if lcols != t.cols or (param is not None and src.param != param):
+                return None
+            if src.mode == "whole":
+                # replicated over the TP group: every member holds it; a whole expert: its EP owner only
+                if src.group == "ep" and src.member != me["ep"]:
+                    return None
+                r0 = pc.row0
+            elif src.mode == "cols":
+                if src.members != 1 or me[src.group] != 0:
+                    return None
+                r0 = pc.row0
+            else:
+                assert src.row_map is not None
+                member, lrow = src.row_map(np.arange(pc.row0, pc.row0 + pc.nrows, dtype=np.int64))
+                if (member != me[src.group]).any() or (np.diff(lrow) != 1).any():
+                    return None
+                r0 = int(lrow[0])
+            if next_row is None:
+                param, first = src.param, r0 * lcols
+            elif r0 != next_row:
+                return None
+            next_row, dst = r0 + pc.nrows, dst + pc.nrows
+        if dst != t.rows:
+            return None
+        assert param is not None
+        return param, first
+
+    def needed_buckets(self, bucket_bytes: int) -> frozenset[int]:
+        """The gather buckets some rank must still gather when every rank yields its
+        :meth:`inplace_targets` as views: a bucket is needed if, on any training rank and for any inference
+        rank, a tensor that is not in place there reads from it. The same set on every rank (a function of
+        the plan), so the ranks skip the same collectives."""
+        if bucket_bytes in self._needed:
+            return self._needed[bucket_bytes]
+        need: set[int] = set()
+        tr = self.train
+        for r in range(self.infer.tp):
+            descs = self.bucket_descriptors(bucket_bytes, r)
+            layout, _ = self.infer_layout(r)
+            names = list(layout)
+            offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
+            readers = [
+                {names[i] for i in np.unique(np.searchsorted(offs, d[:, 1], side="right") - 1)} for d in descs
+            ]
+            for s in range(tr.pp):
+                for tp in range(tr.tp):
+                    for ep in range(tr.ep):
+                        local = self.inplace_targets(r, s, tp, ep)
+                        need.update(k for k, names_k in enumerate(readers) if names_k - local.keys())
+        self._needed[bucket_bytes] = frozenset(need)
+        return self._needed[bucket_bytes]
+
     def stream_schedule(
-        self, bucket_bytes: int, infer_rank: int = 0
+        self, bucket_bytes: int, infer_rank: int = 0, inplace: frozenset[str] = frozenset()
     ) -> tuple[list[StreamBucket], list[np.ndarray]]:
         """Group the gather buckets into stream buckets that each yield whole inference tensors.
 
@@ -256,15 +365,25 @@ class ReshardPlan:
         tensors overlap form one indivisible run, and runs are packed greedily until a stream bucket holds
         ``bucket_bytes`` of output (a run larger than that is a stream bucket of its own). Returns the stream
         buckets and, per gather bucket, its copy descriptors re-based onto its stream bucket's output
-        scratch."""
-        key = (bucket_bytes, infer_rank)
+        scratch.
+
+        ``inplace``: names of tensors the caller yields as views of its own parameters (a subset of
+        :meth:`inplace_targets`): they keep their place in the order and count toward a bucket's
+        ``bucket_bytes``, but take no output scratch and no copy descriptor."""
+        key = (bucket_bytes, infer_rank, frozenset(inplace))
         if key in self._stream:
             return self._stream[key]
+        unknown = set(inplace) - self.inplace_targets_any(infer_rank)
+        if unknown:
+            raise ReshardError(
+                f"stream_schedule: {sorted(unknown)[:3]} cannot be yielded in place on any training rank"
+            )
         descs = self.bucket_descriptors(bucket_bytes, infer_rank)
         layout, _ = self.infer_layout(infer_rank)
         names = list(layout)
         offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
         sizes = np.asarray([int(np.prod(layout[n][1])) * self.itemsize for n in names], dtype=np.int64)
+        in_place = np.asarray([n in inplace for n in names], dtype=bool)
         nb = len(descs)
         first = np.full(len(names), nb, dtype=np.int64)
         last = np.full(len(names), -1, dtype=np.int64)
@@ -307,37 +426,70 @@ class ReshardPlan:
         for g in groups:
             lo, hi = g[0][0], g[-1][1]
             members = np.flatnonzero((done_at >= lo) & (done_at <= hi))
-            new_off, pos, tensors, zero = {}, 0, [], []
+            new_off, pos, tensors, zero, views = {}, 0, [], [], []
             for i in members:
+                if in_place[i]:
+                    views.append((names[i], tuple(layout[names[i]][1])))
+                    continue
                 new_off[int(i)] = pos
                 tensors.append((names[i], pos, tuple(layout[names[i]][1])))
                 if covered[i] < sizes[i]:
                     zero.append((pos, int(sizes[i])))
                 pos = _align(pos + int(sizes[i]))
             for k in range(lo, hi + 1):
-                d = descs[k].copy()
+                keep = ~in_place[which[k]]
+                d = descs[k][keep].copy()
                 if len(d):
-                    shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k]], dtype=np.int64)
+                    shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k][keep]], dtype=np.int64)
                     d[:, 1] += shift
                 rebased[k] = d
-            stream.append(StreamBucket(tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos))
+            stream.append(
+                StreamBucket(tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos, tuple(views))
+            )
         self._stream[key] = (stream, rebased)
         return self._stream[key]
 
-    def native_plans(self, bucket_bytes: int, infer_rank: int = 0, stream: bool = False) -> list[Any]:
+    def native_plans(
+        self,
+        bucket_bytes: int,
+        infer_rank: int = 0,
+        stream: bool = False,
+        inplace: frozenset[str] = frozenset(),
+    ) -> list[Any]:
         """Per gather bucket the native ``CopyPlan`` (None where the bucket writes nothing here): into the
-        flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch."""
-        key = (bucket_bytes, infer_rank, stream)
+        flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch (of the
+        schedule built with ``inplace``)."""
+        key = (bucket_bytes, infer_rank, stream, frozenset(inplace))
         if key not in self._native:
             from msrl_core import CopyPlan
 
             descs = (
-                self.stream_schedule(bucket_bytes, infer_rank)[1]
+                self.stream_schedule(bucket_bytes, infer_rank, inplace)[1]
                 if stream
                 else self.bucket_descriptors(bucket_bytes, infer_rank)
             )
             self._native[key] = [CopyPlan(d) if len(d) else None for d in descs]
         return self._native[key]
+
+
+def rebase_onto_params(b: Bucket, d: np.ndarray) -> dict[str, np.ndarray]:
+    """The copy descriptors ``d`` of gather bucket ``b`` (sources in this member's packed slot) re-based, per
+    training parameter, onto the parameter's own bytes: the copy then reads the parameter directly (no pack,
+    no scratch). The bucket's members must be 1 or the source the reading rank's own slot."""
+    out: dict[str, list[np.ndarray]] = {}
+    if not len(d):
+        return {}
+    starts = np.asarray([p[2] for p in b.params], dtype=np.int64)
+    which = np.searchsorted(starts, d[:, 0], side="right") - 1
+    for i in np.unique(which):
+        name, _shape, off, nb, r0, r1 = b.params[int(i)]
+        sel = d[which == i].copy()
+        # a descriptor never leaves its chunk: [off, off + nb) of the bucket = rows [r0, r1) of the param
+        end = sel[:, 0] + (sel[:, 2] - 1) * sel[:, 4] + sel[:, 3]
+        assert int(sel[:, 0].min()) >= off and int(end.max()) <= off + nb, (name, b.index)
+        sel[:, 0] += r0 * (nb // (r1 - r0)) - off
+        out.setdefault(name, []).append(sel)
+    return {n: np.concatenate(v) for n, v in out.items()}
 
 
 def _rows_descs(pc, member, lrow, lcols, ch, toff, tcols, es) -> np.ndarray:

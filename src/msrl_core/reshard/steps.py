@@ -19,7 +19,7 @@ from typing import Any
 from msrl_core.copy import current_stream  # noqa: F401  (the caller's stream for after=; used by the switch)
 
 from .errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
-from .plan import Bucket, ReshardPlan
+from .plan import Bucket, ReshardPlan, rebase_onto_params
 from .spec import canonical_megatron_name
 
 DEFAULT_TIMEOUT = 300.0
@@ -447,17 +447,7 @@ def direct_descriptors(plan: ReshardPlan, bucket_bytes: int, infer_rank: int) ->
         raise ReshardError(f"direct copies need training TP, EP and PP 1; the plan trains with {plan.train}")
     out: dict[str, list[Any]] = {}
     for b, d in zip(plan.buckets(bucket_bytes), plan.bucket_descriptors(bucket_bytes, infer_rank)):
-        if not len(d):
-            continue
-        starts = np.asarray([p[2] for p in b.params], dtype=np.int64)
-        which = np.searchsorted(starts, d[:, 0], side="right") - 1
-        for i in np.unique(which):
-            name, shape, off, nb, r0, r1 = b.params[int(i)]
-            sel = d[which == i].copy()
-            # a descriptor never leaves its chunk: [off, off + nb) of the bucket = rows [r0, r1) of the param
-            end = sel[:, 0] + (sel[:, 2] - 1) * sel[:, 4] + sel[:, 3]
-            assert int(sel[:, 0].min()) >= off and int(end.max()) <= off + nb, (name, b.index)
-            sel[:, 0] += r0 * (nb // (r1 - r0)) - off
+        for name, sel in rebase_onto_params(b, d).items():
             out.setdefault(name, []).append(sel)
     return {n: np.concatenate(v) for n, v in out.items()}
 

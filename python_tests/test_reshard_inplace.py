@@ -1,0 +1,141 @@
+"""stream_buckets(inplace=True): tensors a training rank holds as one contiguous range of its own parameter
+are yielded as views of it (no gather, no copy, no scratch), gather buckets no rank needs are skipped, and
+buckets with nothing to exchange are copied straight from the parameters. The plan's rule is checked
+against the reference layout for every rank of multi-rank layouts (TP 2, PP 2, EP 2; single process); the
+stream on one process (training TP 1) yields the same tensors as without in place, with the measured peak
+within what is still copied. The multi-process Megatron cases (TP 2 x PP 2, TP 1, TP 1 x EP 2, ... against
+verl's own export) are in verl_tests/test_verl_weights.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from msrl_core.reshard import Parallel, ReshardError, megatron_to_vllm, reference, stream_buckets, to_hf
+from msrl_core.reshard.memory import MemoryProbe
+from reshard_util import CONFIGS, random_shards
+
+BUCKET = 16 << 10
+
+
+@pytest.mark.parametrize(
+    "cfg_name,train,infer",
+    [
+        ("qwen2_gqa_bias", Parallel(tp=1), None),
+        ("qwen2_gqa_bias", Parallel(tp=2, pp=2), None),
+        ("llama_mqa_tied", Parallel(tp=2), None),
+        ("qwen3_moe", Parallel(tp=1, ep=2), None),
+        ("qwen3_moe", Parallel(tp=1, pp=2, ep=2), None),
+        ("qwen2_moe_shared", Parallel(tp=2), None),
+        ("qwen2_gqa_bias", Parallel(tp=1), Parallel(tp=1)),  # vLLM names: gate_up_proj is fc1 itself
+        ("qwen3_moe", Parallel(tp=2, ep=2), Parallel(tp=2)),
+    ],
+)
+def test_inplace_views_equal_the_reference_on_every_rank(cfg_name, train, infer):
+    cfg = CONFIGS[cfg_name]
+    plan = to_hf(cfg, train) if infer is None else megatron_to_vllm(cfg, train, infer)
+    shards = random_shards(plan)
+    hf = reference.megatron_to_hf(cfg, train, shards)
+    for r in range(plan.infer.tp):
+        exp = hf if infer is None else reference.hf_to_vllm(cfg, infer, r, hf)
+        seen = 0
+        for (s, tp, ep), params in shards.items():
+            views = plan.inplace_targets(r, s, tp, ep)
+            for name, (param, off) in views.items():
+                t = exp[name]
+                got = params[param].reshape(-1)[off : off + t.numel()].view(t.shape)
+                assert torch.equal(got, t), (name, (s, tp, ep))
+            seen += len(views)
+        assert seen > 0
+    if train.pp > 1:  # the other stages need every bucket through the PP broadcast
+        assert plan.needed_buckets(BUCKET) == frozenset(range(len(plan.buckets(BUCKET))))
+
+
+def test_what_is_in_place_at_tp1_ep2():
+    """Qwen3-MoE, TP 1 x EP 2, HF names: on each EP rank everything but q/k/v and the other rank's experts;
+    the expert buckets are still exchanged, the dense buckets without q/k/v are skipped by every rank."""
+    cfg = CONFIGS["qwen3_moe"]
+    plan = to_hf(cfg, Parallel(tp=1, ep=2))
+    names = [t.name for t in plan.targets(0)]
+    half = cfg.num_experts // 2
+    for ep in (0, 1):
+        views = plan.inplace_targets(0, 0, 0, ep)
+        not_in_place = {n for n in names if n not in views}
+        qkv = {n for n in names if any(f"self_attn.{w}_proj" in n for w in "qkv")}
+        other = {
+            n
+            for n in names
+            if ".experts." in n and (int(n.split(".experts.")[1].split(".")[0]) < half) == (ep == 1)
+        }
+        assert not_in_place == qkv | other
+    buckets = plan.buckets(BUCKET)
+    needed = plan.needed_buckets(BUCKET)
+    for b in buckets:
+        has_qkv = any("linear_qkv" in n for n in b.names)
+        assert (b.index in needed) == (b.group == "ep" or has_qkv), b.names
+
+
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("names", ["hf", "vllm"])
+def test_inplace_stream_yields_the_same_tensors(cfg_name, names):
+    cfg = CONFIGS[cfg_name]
+    plan = megatron_to_vllm(cfg, Parallel(tp=1), Parallel(tp=1))
+    params = random_shards(plan)[(0, 0, 0)]
+    storages = {p.untyped_storage().data_ptr() for p in params.values()}
+    base = {
+        n: t.clone() for b in stream_buckets(params, plan, {}, names=names, bucket_bytes=BUCKET) for n, t in b
+    }
+    stream = stream_buckets(params, plan, {}, names=names, bucket_bytes=BUCKET, inplace=True)
+    got, aliasing = {}, 0
+    for bucket in stream:
+        for n, t in bucket:
+            assert n not in got, f"{n} yielded twice"
+            aliasing += t.untyped_storage().data_ptr() in storages
+            got[n] = t.clone()
+    assert sorted(got) == sorted(base)
+    assert all(torch.equal(got[n], base[n]) for n in base)
+    tele = stream.telemetry
+    assert tele.finished and tele.inplace_tensors == aliasing > 0
+    assert tele.bytes_yielded == sum(t.nbytes for t in base.values())
+    # training TP, EP, PP 1: nothing is gathered; what is not in place is copied from the parameters
+    assert tele.gather_scratch_bytes == 0 and tele.direct_buckets == tele.gather_buckets
+    assert tele.gather_buckets + tele.skipped_buckets == len(
+        plan.hf_plan().buckets(BUCKET) if names == "hf" else plan.buckets(BUCKET)
+    )
+    copied = sum(t.nbytes for t in base.values()) - tele.bytes_inplace
+    assert tele.output_scratch_bytes <= copied + 64 * len(base)
+
+
+def test_measured_peak_is_what_is_still_copied():
+    """The allocations during an in-place stream (a dispatch-mode tally) are the output scratch of the
+    copied tensors alone: for Llama MQA every HF tensor is one contiguous range of a parameter, so the
+    stream allocates nothing; for Qwen2 GQA only q/k/v are copied."""
+    for cfg_name, expect_zero in (("llama_mqa_tied", True), ("qwen2_gqa_bias", False)):
+        plan = to_hf(CONFIGS[cfg_name], Parallel(tp=1))
+        params = random_shards(plan)[(0, 0, 0)]
+        stream = stream_buckets(params, plan, {}, names="hf", bucket_bytes=BUCKET, inplace=True)
+        sink = {}
+        with MemoryProbe() as m:
+            for bucket in stream:
+                for n, t in bucket:
+                    sink[n] = t.sum()  # a consumer reading each tensor (0-d results: 64 B blocks)
+        tele = stream.telemetry
+        assert tele.gather_scratch_bytes == 0
+        if expect_zero:
+            assert tele.output_scratch_bytes == 0 and tele.skipped_buckets == len(plan.buckets(BUCKET))
+        else:
+            views = plan.inplace_targets()
+            copied = [t for t in plan.targets() if t.name not in views]
+            assert {t.name.split(".")[-2] for t in copied} == {"q_proj", "k_proj", "v_proj"}
+            assert 0 < tele.output_scratch_bytes <= sum(t.numel * plan.itemsize + 64 for t in copied)
+        assert m.peak_bytes <= tele.output_scratch_bytes + 64 * len(sink) + (4 << 10), (
+            cfg_name,
+            m.peak_bytes,
+        )
+
+
+def test_inplace_bad_value_is_refused_before_anything_runs():
+    plan = to_hf(CONFIGS["qwen2_gqa_bias"], Parallel(tp=1))
+    params = random_shards(plan)[(0, 0, 0)]
+    with pytest.raises(ReshardError, match="inplace must be True or False, got 'yes'"):
+        stream_buckets(params, plan, {}, inplace="yes")
