@@ -13,7 +13,7 @@ import torch
 
 from msrl_core.reshard import Parallel, ReshardError, megatron_to_vllm, reference, stream_buckets, to_hf
 from msrl_core.reshard.memory import MemoryProbe
-from reshard_util import CONFIGS, random_shards
+from reshard_util import CONFIGS, gathered_bucket, random_shards
 
 BUCKET = 16 << 10
 
@@ -73,6 +73,42 @@ def test_what_is_in_place_at_tp1_ep2():
     for b in buckets:
         has_qkv = any("linear_qkv" in n for n in b.names)
         assert (b.index in needed) == (b.group == "ep" or has_qkv), b.names
+
+
+@pytest.mark.parametrize("train", [Parallel(tp=1, ep=2), Parallel(tp=1, pp=2, ep=2), Parallel(tp=2, ep=2)])
+def test_views_of_the_gather_scratch_are_the_other_ranks_experts(train):
+    """In place mode, a tensor that is one contiguous range of a gathered bucket (another EP rank's expert)
+    is yielded as a view of the gather scratch, right after that bucket's gather: checked against the
+    bucket a real exchange produces (reshard_util.gathered_bucket) for each rank."""
+    cfg = CONFIGS["qwen3_moe"]
+    plan = to_hf(cfg, train)
+    shards = random_shards(plan)
+    ref = reference.megatron_to_hf(cfg, train, shards)
+    buckets = plan.buckets(BUCKET)
+    half = cfg.num_experts // 2
+    for (s, tp, ep), _params in shards.items():
+        views = plan.inplace_targets(0, s, tp, ep)
+        schedule, _ = plan.stream_schedule(BUCKET, 0, frozenset(views))
+        seen = set()
+        for sb in schedule:
+            for name, off, shape in sb.gathered:
+                k = sb.gather[
+                    -1
+                ]  # the last gather of the stream bucket: nothing overwrites it before the yield
+                buf = gathered_bucket(plan, buckets[k], shards, tp_rank=tp, ep_rank=ep)
+                n = ref[name].nbytes
+                got = torch.from_numpy(buf[off : off + n].copy()).view(ref[name].dtype).view(shape)
+                assert torch.equal(got, ref[name]), (name, (s, tp, ep))
+                seen.add(name)
+        layer = {n: int(n.split(".")[2]) for n in ref if n.startswith("model.layers.")}
+        other = {
+            n
+            for n in ref
+            if ".experts." in n
+            and (int(n.split(".experts.")[1].split(".")[0]) < half) == (ep == 1)
+            and layer[n] // (cfg.num_layers // train.pp) == s
+        }
+        assert seen >= other, sorted(other - seen)[:3]  # every expert of the other EP rank on this stage
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))

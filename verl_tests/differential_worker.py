@@ -39,6 +39,7 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
         k: getattr(tele, k)
         for k in (
             "inplace_tensors",
+            "scratch_views",
             "bytes_inplace",
             "bytes_yielded",
             "gather_buckets",

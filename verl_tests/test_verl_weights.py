@@ -96,6 +96,8 @@ def test_the_weights_are_verls(results, case):
                 assert t["gather_scratch_bytes"] == 0 and t["direct_buckets"] == t["gather_buckets"] > 0, t
             else:  # only the expert buckets are exchanged; the dense ones are copied from the parameters
                 assert t["gather_scratch_bytes"] > 0 and t["direct_buckets"] > 0, t
+                # the other EP rank's 2 experts x 3 tensors x 2 layers: views of the gather scratch
+                assert t["scratch_views"] == 12, t
         else:  # TP 2 or PP 2: the replicated norms (and at PP 2 x EP 2 the own experts) in place
             assert t["inplace_tensors"] > 0 and t["direct_buckets"] == 0, t
         ref = r["verl_vs_reference"]  # verl's export itself equals the independent torch reference

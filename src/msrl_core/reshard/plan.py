@@ -73,13 +73,16 @@ class StreamBucket:
     not cover completely (vLLM's zero vocab-padding rows), cleared before the copies since the scratch is
     reused; ``nbytes``: the output bytes of this bucket; ``inplace``: ``(name, shape)`` of the tensors that
     are yielded as views of this rank's own training parameters (no copy; see
-    :meth:`ReshardPlan.inplace_targets`), empty unless the schedule was built with ``inplace``."""
+    :meth:`ReshardPlan.inplace_targets`); ``gathered``: ``(name, byte offset, shape)`` of tensors that are
+    one contiguous range of the bucket's last gathered bucket, yielded as views of the gather scratch.
+    Both are empty unless the schedule was built with ``inplace``."""
 
     gather: tuple[int, ...]
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...]
     zero: tuple[tuple[int, int], ...]
     nbytes: int
     inplace: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    gathered: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
 
 class ReshardPlan:
@@ -103,8 +106,8 @@ class ReshardPlan:
         self._targets: dict[int, list[Target]] = {}
         self._buckets: dict[int, list[Bucket]] = {}
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._native: dict[tuple[int, int, bool, frozenset[str]], list[Any]] = {}
-        self._stream: dict[tuple[int, int, frozenset[str]], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._native: dict[tuple[Any, ...], list[Any]] = {}
+        self._stream: dict[tuple[Any, ...], tuple[list[StreamBucket], list[np.ndarray]]] = {}
         self._inplace: dict[tuple[int, int, int, int], dict[str, tuple[str, int]]] = {}
         self._needed: dict[int, frozenset[int]] = {}
         self._hf_plan: ReshardPlan | None = None
@@ -357,7 +360,7 @@ class ReshardPlan:
         return self._needed[bucket_bytes]
 
     def stream_schedule(
-        self, bucket_bytes: int, infer_rank: int = 0, inplace: frozenset[str] = frozenset()
+        self, bucket_bytes: int, infer_rank: int = 0, inplace: frozenset[str] | None = None
     ) -> tuple[list[StreamBucket], list[np.ndarray]]:
         """Group the gather buckets into stream buckets that each yield whole inference tensors.
 
@@ -367,12 +370,18 @@ class ReshardPlan:
         buckets and, per gather bucket, its copy descriptors re-based onto its stream bucket's output
         scratch.
 
-        ``inplace``: names of tensors the caller yields as views of its own parameters (a subset of
-        :meth:`inplace_targets`): they keep their place in the order and count toward a bucket's
-        ``bucket_bytes``, but take no output scratch and no copy descriptor."""
-        key = (bucket_bytes, infer_rank, frozenset(inplace))
+        ``inplace`` (a set, possibly empty; ``None``: every tensor copied into the output scratch): names of
+        tensors the caller yields as views of its own parameters (a subset of :meth:`inplace_targets`):
+        they keep their place in the order and count toward a bucket's ``bucket_bytes``, but take no output
+        scratch and no copy descriptor. In this mode, too, a tensor that is one contiguous range of a
+        gathered bucket (exchanged, or broadcast over PP), that bucket ending its run, is yielded as a view
+        of the gather scratch (``StreamBucket.gathered``) and closes its stream bucket, so that no later
+        gather overwrites it before it is yielded."""
+        key = (bucket_bytes, infer_rank, None if inplace is None else frozenset(inplace))
         if key in self._stream:
             return self._stream[key]
+        views_mode = inplace is not None
+        inplace = frozenset(inplace or ())
         unknown = set(inplace) - self.inplace_targets_any(infer_rank)
         if unknown:
             raise ReshardError(
@@ -411,11 +420,29 @@ class ReshardPlan:
             k = end + 1
         # tensors no copy writes (all-padding vocab shards) go with the first run
         done_at = np.where(last >= 0, last, 0)
+        # views of the gather scratch: the whole tensor one contiguous range of one gathered bucket
+        scratch_at: dict[int, int] = {}  # tensor -> byte offset in its gathered bucket
+        if views_mode:
+            buckets = self.buckets(bucket_bytes)
+            ends = {e for _, e in runs}
+            for k, d in enumerate(descs):
+                b = buckets[k]
+                if k not in ends or not len(d) or (b.members == 1 and self.train.pp == 1):
+                    continue  # overwritten by the run's next gather, or not gathered (copied directly)
+                for i in np.unique(which[k]):
+                    if in_place[i] or first[i] != k or last[i] != k or covered[i] != sizes[i]:
+                        continue
+                    at = _contiguous_source(d[which[k] == i], int(offs[i]), int(sizes[i]))
+                    if at is not None:
+                        scratch_at[int(i)] = at
+        closes = {e for _, e in runs if any(done_at[i] == e for i in scratch_at)}
         groups: list[list[tuple[int, int]]] = []
         out_bytes: list[int] = []
         for r in runs:
             rb = int(sizes[(done_at >= r[0]) & (done_at <= r[1])].sum())
-            if groups and (out_bytes[-1] == 0 or (rb == 0 or out_bytes[-1] + rb <= bucket_bytes)):
+            closed = bool(groups) and groups[-1][-1][1] in closes
+            fits = bool(groups) and (out_bytes[-1] == 0 or rb == 0 or out_bytes[-1] + rb <= bucket_bytes)
+            if fits and not closed:
                 groups[-1].append(r)
                 out_bytes[-1] += rb
             else:
@@ -426,10 +453,13 @@ class ReshardPlan:
         for g in groups:
             lo, hi = g[0][0], g[-1][1]
             members = np.flatnonzero((done_at >= lo) & (done_at <= hi))
-            new_off, pos, tensors, zero, views = {}, 0, [], [], []
+            new_off, pos, tensors, zero, views, gathered = {}, 0, [], [], [], []
             for i in members:
                 if in_place[i]:
                     views.append((names[i], tuple(layout[names[i]][1])))
+                    continue
+                if int(i) in scratch_at:
+                    gathered.append((names[i], scratch_at[int(i)], tuple(layout[names[i]][1])))
                     continue
                 new_off[int(i)] = pos
                 tensors.append((names[i], pos, tuple(layout[names[i]][1])))
@@ -437,14 +467,16 @@ class ReshardPlan:
                     zero.append((pos, int(sizes[i])))
                 pos = _align(pos + int(sizes[i]))
             for k in range(lo, hi + 1):
-                keep = ~in_place[which[k]]
+                keep = ~in_place[which[k]] & ~np.isin(which[k], list(scratch_at))
                 d = descs[k][keep].copy()
                 if len(d):
                     shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k][keep]], dtype=np.int64)
                     d[:, 1] += shift
                 rebased[k] = d
             stream.append(
-                StreamBucket(tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos, tuple(views))
+                StreamBucket(
+                    tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos, tuple(views), tuple(gathered)
+                )
             )
         self._stream[key] = (stream, rebased)
         return self._stream[key]
@@ -454,12 +486,12 @@ class ReshardPlan:
         bucket_bytes: int,
         infer_rank: int = 0,
         stream: bool = False,
-        inplace: frozenset[str] = frozenset(),
+        inplace: frozenset[str] | None = None,
     ) -> list[Any]:
         """Per gather bucket the native ``CopyPlan`` (None where the bucket writes nothing here): into the
         flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch (of the
         schedule built with ``inplace``)."""
-        key = (bucket_bytes, infer_rank, stream, frozenset(inplace))
+        key = (bucket_bytes, infer_rank, stream, None if inplace is None else frozenset(inplace))
         if key not in self._native:
             from msrl_core import CopyPlan
 
@@ -470,6 +502,18 @@ class ReshardPlan:
             )
             self._native[key] = [CopyPlan(d) if len(d) else None for d in descs]
         return self._native[key]
+
+
+def _contiguous_source(d: np.ndarray, dst: int, nbytes: int) -> int | None:
+    """The source offset where descriptors ``d`` copy one contiguous source range onto the contiguous
+    destination ``[dst, dst + nbytes)`` in order, else ``None``."""
+    d = d[np.argsort(d[:, 1], kind="stable")]
+    src0, at = int(d[0, 0]), dst
+    for so, do, rows, rb, sp, dp in d.tolist():
+        if do != at or so != src0 + (at - dst) or (rows > 1 and (sp != rb or dp != rb)):
+            return None
+        at += rows * rb
+    return src0 if at == dst + nbytes else None
 
 
 def rebase_onto_params(b: Bucket, d: np.ndarray) -> dict[str, np.ndarray]:

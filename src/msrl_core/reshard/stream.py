@@ -12,9 +12,11 @@ With ``inplace=True`` a tensor that this rank holds as one contiguous range of i
 TP 1 dense weights, an EP rank's own experts, replicated norms: ``ReshardPlan.inplace_targets``) is
 yielded as a view of that parameter, with no gather and no copy; a gather bucket that no rank needs for
 anything else is skipped by every rank; a bucket with nothing to exchange (group of one, PP 1) is copied
-straight from the parameters (no pack, no gather scratch); the scratches are sized to what is still
-gathered and copied, and are not allocated when nothing is. Such views alias the live training weights:
-a consumer must copy them (verl's sender does) and never write into them.
+straight from the parameters (no pack, no gather scratch); a tensor that is one contiguous range of a
+gathered bucket (another EP rank's expert) is yielded as a view of the gather scratch (no output copy);
+the scratches are sized to what is still gathered and copied, and are not allocated when nothing is.
+The parameter views alias the live training weights: a consumer must copy them (verl's sender does)
+before the weights change and never write into them.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class StreamTelemetry:
     skipped_buckets: int = 0  # inplace: gather buckets no rank needs
     direct_buckets: int = 0  # inplace: buckets copied from the parameters (nothing to exchange)
     inplace_tensors: int = 0  # inplace: tensors yielded as views of this rank's parameters
+    scratch_views: int = 0  # inplace: tensors yielded as views of the gather scratch (no output copy)
     bytes_inplace: int = 0
     bytes_yielded: int = 0
     bytes_gathered: int = 0  # received from other ranks
@@ -90,16 +93,13 @@ class BucketStream:
             self._views = plan.inplace_targets(prep.infer_rank, prep.stage, tp_rank, ep_rank)
             needed = plan.needed_buckets(bucket_bytes)
             self._walk = [k for k in self._walk if k in needed]
-        self.schedule: list[StreamBucket] = plan.stream_schedule(
-            bucket_bytes, prep.infer_rank, frozenset(self._views)
-        )[0]
-        self._cplans = plan.native_plans(
-            bucket_bytes, prep.infer_rank, stream=True, inplace=frozenset(self._views)
-        )
+        views = frozenset(self._views) if inplace else None
+        self.schedule: list[StreamBucket] = plan.stream_schedule(bucket_bytes, prep.infer_rank, views)[0]
+        self._cplans = plan.native_plans(bucket_bytes, prep.infer_rank, stream=True, inplace=views)
         if inplace and plan.train.pp == 1:
             from msrl_core import CopyPlan
 
-            rebased = plan.stream_schedule(bucket_bytes, prep.infer_rank, frozenset(self._views))[1]
+            rebased = plan.stream_schedule(bucket_bytes, prep.infer_rank, views)[1]
             for k in self._walk:
                 if buckets[k].members == 1:  # nothing crosses ranks: copy from the parameters themselves
                     d = rebase_onto_params(buckets[k], rebased[k])
@@ -190,14 +190,23 @@ class BucketStream:
                 param, off = self._views[name]
                 views.append((name, flat[param][off : off + _numel(shape)].view(shape)))
             tele.inplace_tensors += len(views)
+            tele.scratch_views += len(sb.gathered)
+            tele.bytes_yielded += sum(int(_numel(shape)) * es for _, _, shape in sb.gathered)
             tele.bytes_inplace += sum(int(_numel(shape)) * es for _, shape in sb.inplace)
             tele.bytes_yielded += sum(int(_numel(shape)) * es for _, _, shape in sb.tensors)
             tele.bytes_yielded += sum(int(_numel(shape)) * es for _, shape in sb.inplace)
             tele.total_s = time.perf_counter() - t_start
-            yield [
-                (name, out[off : off + _numel(shape) * es].view(dtype).view(shape))
-                for name, off, shape in sb.tensors
-            ] + views
+            yield (
+                [
+                    (name, out[off : off + _numel(shape) * es].view(dtype).view(shape))
+                    for name, off, shape in sb.tensors
+                ]
+                + [
+                    (name, scratch[off : off + _numel(shape) * es].view(dtype).view(shape))
+                    for name, off, shape in sb.gathered
+                ]
+                + views
+            )
         tele.finished = True
         tele.total_s = time.perf_counter() - t_start
 
