@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -140,27 +139,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    import torch
-    import verl
-
-    import megatron_harness
-
     case = {"name": "offload", "model": vsb.bench_model(a.layers), "tp": a.tp, "reps": a.reps}
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # freed buffers go back to the OS at once (RSS)
-    per_rank = [
-        r["offload"] for r in megatron_harness.spawn(_worker, [case], a.world, 3600.0, "bench workers")
-    ]
-    for r in per_rank:
-        if "error" in r:
-            raise SystemExit(r["traceback"])
+    per_rank = vsb.run_ranks(_worker, case, a.world)
     r0 = per_rank[0]
     meta = {
-        "commit": vsb._commit(),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "verl": verl.__version__,
-        "world": a.world,
+        **vsb.run_meta(a.world),
         "tp": a.tp,
         "model": "qwen2",
         "layers": a.layers,

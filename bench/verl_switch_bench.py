@@ -217,6 +217,36 @@ def _bench_case(case: dict, rank: int, world: int) -> dict:
     return res
 
 
+def run_ranks(worker, case: dict, world: int) -> list[dict]:
+    """``case`` on ``world`` spawned ranks (megatron_harness over gloo): each rank's result, or the first
+    rank's traceback as the exit message."""
+    import megatron_harness
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # glibc reads it at start-up: the workers inherit it
+    per_rank = [
+        r[case["name"]] for r in megatron_harness.spawn(worker, [case], world, 3600.0, "bench workers")
+    ]
+    for r in per_rank:
+        if "error" in r:
+            raise SystemExit(r["traceback"])
+    return per_rank
+
+
+def run_meta(world: int) -> dict:
+    """What every JSON line records: commit, date, machine, versions, ranks."""
+    import torch
+    import verl
+
+    return {
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "torch": torch.__version__,
+        "verl": verl.__version__,
+        "world": world,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -229,11 +259,6 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=int, default=16, help="msrl stream bucket (MSRL_VERL_BUCKET_MB)")
     ap.add_argument("--sender-mib", type=int, default=512, help="verl's update_weights_bucket_megabytes")
     a = ap.parse_args()
-    import torch
-    import verl
-
-    import megatron_harness
-
     case = {
         "name": "switch",
         "model": (bench_moe_model if a.moe else bench_model)(a.layers),
@@ -244,23 +269,10 @@ def main() -> None:
         "bucket_mib": a.bucket_mib,
         "sender_mib": a.sender_mib,
     }
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = (
-        "131072"  # glibc reads it at start-up: the spawned workers inherit it
-    )
-    per_rank = [
-        r["switch"] for r in megatron_harness.spawn(_worker, [case], a.world, 3600.0, "bench workers")
-    ]
-    for r in per_rank:
-        if "error" in r:
-            raise SystemExit(r["traceback"])
+    per_rank = run_ranks(_worker, case, a.world)
     r0 = per_rank[0]
     meta = {
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "verl": verl.__version__,
-        "world": a.world,
+        **run_meta(a.world),
         "tp": a.tp,
         "pp": a.pp,
         "ep": a.ep,

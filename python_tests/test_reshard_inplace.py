@@ -175,3 +175,37 @@ def test_inplace_bad_value_is_refused_before_anything_runs():
     params = random_shards(plan)[(0, 0, 0)]
     with pytest.raises(ReshardError, match="inplace must be True or False, got 'yes'"):
         stream_buckets(params, plan, {}, inplace="yes")
+
+
+@pytest.mark.parametrize(
+    "cfg_name,train",
+    [
+        ("qwen2_gqa_bias", Parallel(tp=1)),
+        ("qwen2_gqa_bias", Parallel(tp=1, pp=2)),  # padding-only embedding chunks: nobody reads them
+        ("llama_mqa_tied", Parallel(tp=2)),
+        ("qwen3_moe", Parallel(tp=1, ep=2)),
+        ("qwen3_moe", Parallel(tp=2, ep=2)),
+        ("qwen2_moe_shared", Parallel(tp=1)),
+    ],
+)
+def test_needed_buckets_is_its_definition(cfg_name, train):
+    """The pruned search equals the definition: a bucket is needed iff, for some training rank (every
+    stage x TP x EP rank) and inference rank, a tensor read from it is not in place there."""
+    import numpy as np
+
+    cfg = CONFIGS[cfg_name]
+    for plan in (to_hf(cfg, train), megatron_to_vllm(cfg, train, Parallel(tp=2))):
+        for bb in (4 << 10, BUCKET):
+            want: set[int] = set()
+            for r in range(plan.infer.tp):
+                layout, _ = plan.infer_layout(r)
+                names = list(layout)
+                offs = np.asarray([layout[n][0] for n in names])
+                for k, d in enumerate(plan.bucket_descriptors(bb, r)):
+                    readers = {names[i] for i in np.searchsorted(offs, d[:, 1], side="right") - 1}
+                    for s in range(train.pp):
+                        for tp in range(train.tp):
+                            for ep in range(train.ep):
+                                if readers - plan.inplace_targets(r, s, tp, ep).keys():
+                                    want.add(k)
+            assert plan.needed_buckets(bb) == frozenset(want), (plan, bb)

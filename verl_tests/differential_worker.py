@@ -67,6 +67,7 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     eng.optimizer = torch.optim.Adam(list(params.values()), lr=0.0)  # state, unchanged weights
     eng.optimizer.step()
     before = iu.crcs(params)
+    moments = {id(p): {k: v.clone() for k, v in eng.optimizer.state[p].items()} for p in params.values()}
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()}
     eng.to("cpu")
     off = eng._msrl_offload
@@ -91,6 +92,9 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     res["grads_zero"] = all(bool((p.grad == 0).all()) for p in params.values())
     res["optimizer_back"] = all(
         eng.optimizer.state[p]["exp_avg"].untyped_storage().nbytes() > 0 for p in params.values()
+    )
+    res["optimizer_equal"] = all(
+        torch.equal(eng.optimizer.state[p][k], v) for p in params.values() for k, v in moments[id(p)].items()
     )
     return res
 

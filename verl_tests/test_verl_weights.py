@@ -119,3 +119,4 @@ def test_patched_to_round_trip(results, case):
         assert a["names_equal"] and not a["value_mismatch"], a
         assert r["grads_still_freed"]  # get_per_tensor_param loads the weights only, as verl's does
         assert r["restored_equal"] and r["grads_zero"] and r["optimizer_back"]
+        assert r["optimizer_equal"]  # Adam's moments and step counts bit for bit after the round trip

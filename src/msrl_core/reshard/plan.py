@@ -286,17 +286,6 @@ class ReshardPlan:
         self._inplace[key] = out
         return out
 
-    def inplace_targets_any(self, infer_rank: int = 0) -> set[str]:
-        """Names that are in place on at least one training rank (see :meth:`inplace_targets`)."""
-        tr = self.train
-        return {
-            n
-            for s in range(tr.pp)
-            for tp in range(tr.tp)
-            for ep in range(tr.ep)
-            for n in self.inplace_targets(infer_rank, s, tp, ep)
-        }
-
     def _local_rows(self, t: Target, stage: int, me: dict[str, int]) -> tuple[str, int] | None:
         """``(param, element offset)`` where target ``t`` is one contiguous range of a local parameter."""
         if not t.pieces:
@@ -338,24 +327,35 @@ class ReshardPlan:
         """The gather buckets some rank must still gather when every rank yields its
         :meth:`inplace_targets` as views: a bucket is needed if, on any training rank and for any inference
         rank, a tensor that is not in place there reads from it. The same set on every rank (a function of
-        the plan), so the ranks skip the same collectives."""
+        the plan), so the ranks skip the same collectives. With PP > 1 every bucket that anyone reads is
+        needed (the other stages read it through the broadcast); otherwise a bucket stays a candidate for
+        skipping only while every tensor reading it is in place on each TP x EP rank checked so far (most
+        buckets fall out at the first rank, so the check stays near one pass over the targets)."""
         if bucket_bytes in self._needed:
             return self._needed[bucket_bytes]
-        need: set[int] = set()
         tr = self.train
+        nb = len(self.buckets(bucket_bytes))
+        need: set[int] = set()
         for r in range(self.infer.tp):
             descs = self.bucket_descriptors(bucket_bytes, r)
             layout, _ = self.infer_layout(r)
             names = list(layout)
+            by_name = {t.name: t for t in self.targets(r)}
             offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
             readers = [
-                {names[i] for i in np.unique(np.searchsorted(offs, d[:, 1], side="right") - 1)} for d in descs
+                [names[i] for i in np.unique(np.searchsorted(offs, d[:, 1], side="right") - 1)] for d in descs
             ]
-            for s in range(tr.pp):
-                for tp in range(tr.tp):
-                    for ep in range(tr.ep):
-                        local = self.inplace_targets(r, s, tp, ep)
-                        need.update(k for k, names_k in enumerate(readers) if names_k - local.keys())
+            if tr.pp > 1:  # every bucket someone reads, through the broadcast to the other stages
+                need.update(k for k in range(nb) if readers[k])
+                continue
+            cand = {k for k in range(nb) if k not in need and readers[k]}
+            for tp in range(tr.tp):
+                for ep in range(tr.ep):
+                    me = {"tp": tp, "ep": ep}
+                    for k in sorted(cand):
+                        if any(self._local_rows(by_name[n], 0, me) is None for n in readers[k]):
+                            need.add(k)
+                            cand.discard(k)
         self._needed[bucket_bytes] = frozenset(need)
         return self._needed[bucket_bytes]
 
@@ -382,13 +382,13 @@ class ReshardPlan:
             return self._stream[key]
         views_mode = inplace is not None
         inplace = frozenset(inplace or ())
-        unknown = set(inplace) - self.inplace_targets_any(infer_rank)
-        if unknown:
-            raise ReshardError(
-                f"stream_schedule: {sorted(unknown)[:3]} cannot be yielded in place on any training rank"
-            )
         descs = self.bucket_descriptors(bucket_bytes, infer_rank)
         layout, _ = self.infer_layout(infer_rank)
+        unknown = set(inplace) - set(layout)
+        if unknown:
+            raise ReshardError(
+                f"stream_schedule: inplace names {sorted(unknown)[:3]} are not tensors of this plan"
+            )
         names = list(layout)
         offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
         sizes = np.asarray([int(np.prod(layout[n][1])) * self.itemsize for n in names], dtype=np.int64)
