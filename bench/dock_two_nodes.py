@@ -18,7 +18,7 @@ steps: every timed step's update stage saw every id exactly once, and one untime
 (all columns plus prompts) by the update worker and compared value for value.
 
 Bytes across the node boundary are measured, not computed: a thread samples `ss -tinp` (the kernel's
-tcp_info bytes_sent per socket) during the timed steps; each process of the cluster is assigned to a node
+tcp_info bytes_received per socket) during the timed steps; each process of the cluster is assigned to a node
 by its raylet ancestry (the head's GCS and the driver: node_a); a socket's bytes count as cross-node when
 its two endpoint processes belong to different nodes. Both raylets share this VM's memory and loopback:
 these bytes travel through the kernel's loopback device, not a network, so they cost what a local TCP copy
@@ -163,11 +163,13 @@ class CheckedWorker(Worker):
 
 _SS_HEAD = re.compile(r"^\S+\s+\S+\s+(\S+)\s+(\S+)\s+users:\((.*)\)\s*$")
 _PID = re.compile(r"pid=(\d+)")
-_SENT = re.compile(r"\bbytes_sent:(\d+)")
+_RECEIVED = re.compile(r"\bbytes_received:(\d+)")
 
 
 def ss_snapshot() -> dict[tuple[str, str], tuple[int, int]]:
-    """(local, peer) -> (pid, bytes_sent) of every established TCP socket the kernel shows us."""
+    """(local, peer) -> (pid, bytes_received) of every established TCP socket the kernel shows us
+    (received, not sent: tcp_info's bytes_sent counts retransmitted bytes too; a test on this loaded VM
+    once read 3,014,875 sent for 3,000,000 received)."""
     out = subprocess.run(
         ["ss", "-tinpH", "state", "established"], capture_output=True, text=True, timeout=30
     ).stdout
@@ -181,13 +183,13 @@ def ss_snapshot() -> dict[tuple[str, str], tuple[int, int]]:
                 key = (m.group(1), m.group(2))
                 snap[key] = (int(pids[0]), 0)
         elif key is not None:
-            s = _SENT.search(line)
+            s = _RECEIVED.search(line)
             snap[key] = (snap[key][0], int(s.group(1)) if s else 0)
     return snap
 
 
 class TcpTally:
-    """Samples ss every `interval` s; per socket the bytes sent between the first and the last sample
+    """Samples ss every `interval` s; per socket the bytes received between the first and the last sample
     (a socket first seen after the start counts from 0; one closed between samples loses its last
     interval)."""
 
@@ -219,13 +221,13 @@ class TcpTally:
         self._sample()
 
     def deltas(self) -> list[tuple[int, int, int]]:
-        """(pid, peer pid or -1, bytes sent in the window) per socket."""
+        """(sender pid or -1, receiver pid, bytes received in the window) per socket."""
         out = []
-        for (loc, peer), (pid, sent) in self.last.items():
+        for (loc, peer), (pid, got) in self.last.items():
             peer_pid = self.last.get((peer, loc), (-1, 0))[0]
             start = self.first.get((loc, peer), (pid, 0))[1]
-            if sent > start:
-                out.append((pid, peer_pid, sent - start))
+            if got > start:
+                out.append((peer_pid, pid, got - start))
         return out
 
 
@@ -278,14 +280,14 @@ def process_nodes(cluster) -> dict[int, tuple[str, str]]:
 def cross_node_bytes(tally: TcpTally, procs: dict[int, tuple[str, str]]) -> dict:
     total = cross = unknown = 0
     pairs: dict[str, int] = {}
-    for pid, peer, sent in tally.deltas():
+    for peer, pid, sent in tally.deltas():
         if pid not in procs:
             continue  # not this cluster's socket
         total += sent
         if peer not in procs:
             unknown += sent
             continue
-        (na, ka), (nb, kb) = procs[pid], procs[peer]
+        (na, ka), (nb, kb) = procs[peer], procs[pid]  # sender, receiver
         if na != nb:
             cross += sent
             pair = f"{na}:{ka} -> {nb}:{kb}"
@@ -401,12 +403,22 @@ def run_once(system: str, args, cluster, rep: int) -> dict:
         shutdown()
     # operation times and bytes of the timed steps only (reports after them minus those before; a stream
     # worker's op that straddles the end of the last timed step may count: at most one per worker)
-    times = {
-        op: sum((r["t"][op][len(b["t"][op]) :] for r, b in zip(timed, base)), [])
-        for op in ("claim", "fetch", "put")
+    ops = ("claim", "fetch", "put")
+    window = {
+        seed: {op: r["t"][op][len(b["t"][op]) :] for op in ops} for seed, r, b in zip(by_seed, timed, base)
+    }
+    times = {op: sum((w[op] for w in window.values()), []) for op in ops}
+    by_node_p50 = {
+        node: {
+            op: pcts(sum((w[op] for s, w in window.items() if TWO_NODE_PLACEMENT[s] == node), []))["p50_us"]
+            for op in ops
+        }
+        for node in ("node_a", "node_b")
     }
     net = cross_node_bytes(tally, procs)
-    payload = sum(r["bytes"] - b["bytes"] for r, b in zip(timed, base)) + prompts.nbytes * args.steps
+    by_node = {"node_a": prompts.nbytes * args.steps, "node_b": 0}  # the driver's prompt puts: node_a
+    for seed, r, b in zip(by_seed, timed, base):  # by_seed is in the order of [*stream, update]
+        by_node[TWO_NODE_PLACEMENT[seed]] += r["bytes"] - b["bytes"]
     return {
         "case": "two_nodes_grpo",
         "system": system,
@@ -415,12 +427,14 @@ def run_once(system: str, args, cluster, rep: int) -> dict:
         "rows_per_step": capacity,
         "wall_s": round(wall, 3),
         "samples_per_s": round(capacity * args.steps / wall, 1),
-        "payload_bytes_moved": int(payload),
+        "payload_bytes_moved": int(sum(by_node.values())),
+        "payload_bytes_by_client_node": by_node,
         **net,
         "cross_node_bytes_per_sample": round(net["tcp_bytes_cross_node"] / (capacity * args.steps), 1),
         "claim": pcts(times["claim"]),
         "fetch": pcts(times["fetch"]),
         "put": pcts(times["put"]),
+        "p50_us_by_client_node": by_node_p50,
         "verified": {"timed_steps_exactly_once": bool(steps_exact), **ver},
         "placement": where,
         "loadavg_1m_before_after": [round(load0[0], 2), round(load1[0], 2)],
