@@ -2,11 +2,12 @@
 
 One Ray cluster of two raylets on this machine (`ray.cluster_utils.Cluster`; custom resources node_a on
 the head, where the driver runs, and node_b) serves the whole run. Each repetition builds each system on
-it, in alternating order (dock, central, central, dock, ...), runs the GRPO-shaped streaming workload of
+it, in rotating order (dock, central; central, dock; ...), runs the GRPO-shaped streaming workload of
 bench/grpo_workload.py through it, verifies the data and tears it down:
 
-  dock     the dock (Ray backend), one warehouse on each node; its controller where Ray puts it (reported)
-  central  the centralized buffer (bench/central_buffer.py): one actor, pinned to node_a
+  dock       the dock (Ray backend), one warehouse on each node; its controller where Ray puts it (reported)
+  central    the centralized buffer (bench/central_buffer.py): one actor, pinned to node_a
+  central-b  the same buffer pinned to node_b (optional, --systems dock,central,central-b)
 
 Both systems get the SAME clients on the SAME nodes (grpo_workload.TWO_NODE_PLACEMENT): the driver (puts
 the prompts) on node_a, rollout#1 / reference / update on node_a, rollout#2 / reward / critic on node_b.
@@ -25,7 +26,7 @@ these bytes travel through the kernel's loopback device, not a network, so they 
 costs, not what a NIC would. The dock's same-node traffic (Unix socket + shared memfd arenas) is not TCP
 and not counted; same-node Ray calls are TCP over loopback and appear in the total, not in cross-node.
 
-    python bench/dock_two_nodes.py [--reps 3] [--steps 10] [--out bench/results/FILE.jsonl]
+    python bench/dock_two_nodes.py [--systems dock,central] [--reps 3] [--steps 10] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -304,16 +305,20 @@ def cross_node_bytes(tally: TcpTally, procs: dict[int, tuple[str, str]]) -> dict
 # ---- one system, one repetition ------------------------------------------------------------------
 
 
+CENTRAL_NODE = {"central": "node_a", "central-b": "node_b"}  # where the buffer's one actor runs
+SYSTEMS = ("dock", *CENTRAL_NODE)
+
+
 def build(system: str, capacity: int, group: int):
     if system == "dock":
         dock = make_dock(capacity, group)
         return DockClient(dock), dock.shutdown
-    if system == "central":
+    if system in CENTRAL_NODE:
         import ray
 
-        h = make_central(capacity, group, resources={"node_a": 0.01})
+        h = make_central(capacity, group, resources={CENTRAL_NODE[system]: 0.01})
         return CentralClient(h), (lambda: ray.kill(h))
-    raise ValueError(f"system must be 'dock' or 'central', got {system!r}")
+    raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
 
 
 def placement(system: str, workers: dict[int, Any]) -> dict:
@@ -442,15 +447,22 @@ def run_once(system: str, args, cluster, rep: int) -> dict:
 
 
 def summarize(rows: list[dict]) -> dict:
-    by = {s: [r for r in rows if r["system"] == s] for s in ("dock", "central")}
+    by = {s: [r for r in rows if r["system"] == s] for s in SYSTEMS}
     med = {s: statistics.median(r["samples_per_s"] for r in rs) for s, rs in by.items() if rs}
     xb = {s: statistics.median(r["tcp_bytes_cross_node"] for r in rs) for s, rs in by.items() if rs}
-    pair = [
-        round(d["samples_per_s"] / c["samples_per_s"], 3)
-        for d, c in zip(
-            sorted(by["dock"], key=lambda r: r["rep"]), sorted(by["central"], key=lambda r: r["rep"])
-        )
-    ]
+    dock_by_rep = {r["rep"]: r["samples_per_s"] for r in by["dock"]}
+    ratios: dict[str, dict] = {}
+    for c in CENTRAL_NODE:
+        if "dock" in med and c in med:
+            ratios[c] = {
+                "dock_over_it_samples_per_s": round(med["dock"] / med[c], 3),
+                "per_rep": [
+                    round(dock_by_rep[r["rep"]] / r["samples_per_s"], 3)
+                    for r in sorted(by[c], key=lambda r: r["rep"])
+                    if r["rep"] in dock_by_rep
+                ],
+                "dock_over_it_cross_node_bytes": round(xb["dock"] / xb[c], 3) if xb[c] else None,
+            }
     ok = all(
         r["verified"]["timed_steps_exactly_once"]
         and r["verified"]["ids_exactly_once"]
@@ -459,14 +471,10 @@ def summarize(rows: list[dict]) -> dict:
     )
     return {
         "case": "two_nodes_summary",
-        "reps": len(pair),
+        "runs": {s: len(rs) for s, rs in by.items()},
         "samples_per_s_median": med,
-        "dock_over_central_samples_per_s": round(med["dock"] / med["central"], 3) if len(med) == 2 else None,
-        "dock_over_central_per_rep": pair,
         "tcp_bytes_cross_node_median": xb,
-        "dock_over_central_cross_node_bytes": round(xb["dock"] / xb["central"], 3)
-        if len(xb) == 2 and xb["central"]
-        else None,
+        "ratios": ratios,
         "all_verified": ok,
         "statistic": "median over repetitions of samples/s (rows through update / wall of the timed steps)",
     }
@@ -487,6 +495,11 @@ def commit() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--systems",
+        default="dock,central",
+        help=f"comma-separated, from {','.join(SYSTEMS)} (central-b: the buffer's actor on node_b)",
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=1)
@@ -498,6 +511,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("reps", "steps", "prompts", "group"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    systems = args.systems.split(",")
+    if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
+        ap.error(f"--systems must name distinct systems from {', '.join(SYSTEMS)}, got {args.systems!r}")
     if args.warmup < 0 or args.ss_interval <= 0:
         ap.error(f"--warmup must be >= 0 and --ss-interval > 0, got {args.warmup}, {args.ss_interval}")
     import json
@@ -530,7 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     cluster = _CLUSTERS[0]
     try:
         for rep in range(args.reps):
-            order = ("dock", "central") if rep % 2 == 0 else ("central", "dock")
+            k = rep % len(systems)  # rotate the order: each system runs first in turn
+            order = systems[k:] + systems[:k]
             for system in order:
                 try:
                     row = run_once(system, args, cluster, rep)
