@@ -126,6 +126,64 @@ class CheckedWorker(Worker):
         col = "ref_log_prob" if self.stage == "reference" else "values"
         return {col: (DERIVED[col](vals), np.asarray(lens))}
 
+    def probe(self, rounds: int) -> dict:
+        """Uncontended (the stream stopped): `rounds` x (claim 64 ready rows as rollout, fetch the prompts,
+        put the outputs), medians per op; for the dock also the median time per op spent in each of its
+        client's internal calls (controller ops, same-node warehouse ops, far-warehouse Ray calls; the
+        labels nest: a controller op from another node contains its Ray wait)."""
+        spans: list[tuple[str, float]] = []
+        backend = getattr(getattr(self.client.client, "dock", None), "_backend", None)
+        if backend is not None:  # dock: time its client's calls (private names: a bench diagnostic)
+
+            def timed(name: str, label):
+                inner = getattr(backend, name)
+
+                def wrapper(*a, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return inner(*a, **kw)
+                    finally:
+                        spans.append((label(*a), time.perf_counter() - t0))
+
+                setattr(backend, name, wrapper)
+
+            timed("_ctl", lambda op, *a: f"controller {op}")
+            timed("_wh", lambda w, op, *a: f"same-node warehouse {op}")
+            timed("_put_far", lambda inputs, rows, parts, *a: f"far put ({len(parts)} warehouse calls)")
+            timed("_get", lambda refs, what, *a: f"ray.get {what.split()[0]}")
+        ops: dict[str, list[float]] = {"claim": [], "fetch": [], "put": []}
+        parts: dict[str, dict[str, list[float]]] = {op: {} for op in ops}
+        try:
+            for _ in range(rounds):
+                for op in ops:
+                    spans.clear()
+                    t0 = time.perf_counter()
+                    if op == "claim":
+                        h = self.client.claim(self.stage, self.n, 5.0)
+                        assert h is not None, "probe: no ready rows"
+                    elif op == "fetch":
+                        data = self.client.fetch(h, STAGE_INPUTS[self.stage])
+                    else:
+                        self.client.put(h, self._outputs(data, self.client.rows(h)))
+                    ops[op].append(time.perf_counter() - t0)
+                    sums: dict[str, float] = {}
+                    for label, dt in spans:
+                        sums[label] = sums.get(label, 0.0) + dt
+                    for label in set(parts[op]) | set(sums):
+                        parts[op].setdefault(label, [0.0] * (len(ops[op]) - 1)).append(sums.get(label, 0.0))
+        finally:
+            if backend is not None:
+                for name in ("_ctl", "_wh", "_put_far", "_get"):
+                    backend.__dict__.pop(name, None)
+
+        def med_us(xs: list[float]) -> float:
+            return round(statistics.median(xs) * 1e6, 1)
+
+        return {
+            op: {"p50_us": med_us(ts), "parts_p50_us": {k: med_us(v) for k, v in sorted(parts[op].items())}}
+            for op, ts in ops.items()
+        }
+
     def seen_ids(self) -> list[np.ndarray]:
         out, self.client.seen = self.client.seen, []
         return out
@@ -402,6 +460,12 @@ def run_once(system: str, args, cluster, rep: int) -> dict:
         for w in stream:
             w.stop.remote()
         ray.get(loops, timeout=120)
+        probe = {}
+        if args.probe_rounds:  # one rollout worker on each node, alone: fixed costs of each op
+            for w, node in ((stream[0], "node_a"), (stream[1], "node_b")):
+                client.put_prompts(prompts)
+                probe[node] = ray.get(w.probe.remote(args.probe_rounds), timeout=300)
+                client.reset()
     finally:
         for h in by_seed.values():
             ray.kill(h)
@@ -440,6 +504,7 @@ def run_once(system: str, args, cluster, rep: int) -> dict:
         "fetch": pcts(times["fetch"]),
         "put": pcts(times["put"]),
         "p50_us_by_client_node": by_node_p50,
+        "uncontended_by_client_node": probe,
         "verified": {"timed_steps_exactly_once": bool(steps_exact), **ver},
         "placement": where,
         "loadavg_1m_before_after": [round(load0[0], 2), round(load1[0], 2)],
@@ -506,16 +571,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--ss-interval", type=float, default=1.0)
+    ap.add_argument(
+        "--probe-rounds", type=int, default=12, help="uncontended ops per node after the stream (0: none)"
+    )
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     for name in ("reps", "steps", "prompts", "group"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.probe_rounds * 64 > args.prompts * args.group:
+        ap.error(
+            f"--probe-rounds x 64 rows must fit in one step's {args.prompts * args.group} rows, "
+            f"got {args.probe_rounds}"
+        )
     systems = args.systems.split(",")
     if not systems or any(s not in SYSTEMS for s in systems) or len(set(systems)) != len(systems):
         ap.error(f"--systems must name distinct systems from {', '.join(SYSTEMS)}, got {args.systems!r}")
-    if args.warmup < 0 or args.ss_interval <= 0:
-        ap.error(f"--warmup must be >= 0 and --ss-interval > 0, got {args.warmup}, {args.ss_interval}")
+    if args.warmup < 0 or args.probe_rounds < 0 or args.ss_interval <= 0:
+        ap.error(
+            "--warmup and --probe-rounds must be >= 0 and --ss-interval > 0, got "
+            f"{args.warmup}, {args.probe_rounds}, {args.ss_interval}"
+        )
     import json
 
     import ray

@@ -115,7 +115,7 @@ def test_two_raylets_same_clients_for_dock_and_central_verified(monkeypatch):
 
     # The workers unpickle grpo_workload's classes: the raylets (so every worker) get bench/ on their path.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [BENCH, os.environ.get("PYTHONPATH")])))
-    args = argparse.Namespace(prompts=16, group=4, steps=2, warmup=0, ss_interval=0.2)
+    args = argparse.Namespace(prompts=16, group=4, steps=2, warmup=0, ss_interval=0.2, probe_rounds=1)
     start_two_nodes(1)
     try:
         rows = {s: dtn.run_once(s, args, _CLUSTERS[0], 0) for s in ("dock", "central")}
