@@ -361,9 +361,45 @@ def stop_ray() -> None:
         _CLUSTERS.pop().shutdown()
 
 
-def make_system(name: str, capacity: int, group: int):
+def make_dock(capacity: int, group: int, fast_path: bool = True, backend: str = "ray"):
+    """The GRPO workload's dock: 2 warehouses; on the Ray backend (on the Ray already started) spread
+    over the alive nodes."""
+    from msrl_core import Column, Dock
+
+    r = Column("int64", ragged=True, max_len=1400)
+    f = Column("float32", ragged=True, max_len=1400)
+    return Dock(
+        columns={
+            "prompts": Column("int64", shape=(PROMPT_LEN,)),
+            "responses": r,
+            "old_log_prob": f,
+            "ref_log_prob": f,
+            "values": f,
+            "rewards": Column("float32"),
+        },
+        stages=STAGE_INPUTS,
+        capacity=capacity,
+        group_size=group,
+        warehouses=2,
+        backend=backend,
+        **({"fast_path": fast_path} if backend == "ray" else {}),
+    )
+
+
+def make_central(capacity: int, group: int, resources: dict | None = None):
+    """The centralized buffer: one Ray actor (bench/central_buffer.py) on the Ray already started;
+    `resources` pins it to a node (a custom resource of that node)."""
     import ray
 
+    from central_buffer import CentralBuffer
+
+    opts: dict[str, Any] = {"num_cpus": 0.1, "max_concurrency": 16}
+    if resources:
+        opts["resources"] = resources
+    return ray.remote(CentralBuffer).options(**opts).remote(STAGE_INPUTS, capacity, group)
+
+
+def make_system(name: str, capacity: int, group: int):
     if name in ("dock-ray", "dock-ray-xnode", "dock-ray-2node"):
         # dock-ray-xnode: the path of clients on another node (Ray actor calls and the object store; no
         # same-node socket, no shared arenas), forced on this one node with fast_path=False.
@@ -373,37 +409,11 @@ def make_system(name: str, capacity: int, group: int):
             start_two_nodes(os.cpu_count() or 2)
         else:
             start_ray(os.cpu_count() or 2)
-        from msrl_core import Column, Dock
-
-        r = Column("int64", ragged=True, max_len=1400)
-        f = Column("float32", ragged=True, max_len=1400)
-        dock = Dock(
-            columns={
-                "prompts": Column("int64", shape=(PROMPT_LEN,)),
-                "responses": r,
-                "old_log_prob": f,
-                "ref_log_prob": f,
-                "values": f,
-                "rewards": Column("float32"),
-            },
-            stages=STAGE_INPUTS,
-            capacity=capacity,
-            group_size=group,
-            warehouses=2,
-            backend="ray",
-            fast_path=name != "dock-ray-xnode",
-        )
+        dock = make_dock(capacity, group, fast_path=name != "dock-ray-xnode")
         return DockClient(dock), dock.shutdown
     if name == "central":
         start_ray(os.cpu_count() or 2)
-        from central_buffer import CentralBuffer
-
-        h = (
-            ray.remote(CentralBuffer)
-            .options(num_cpus=0.1, max_concurrency=16)
-            .remote(STAGE_INPUTS, capacity, group)
-        )
-        return CentralClient(h), lambda: None
+        return CentralClient(make_central(capacity, group)), lambda: None
     if name == "tq":
         # TQ reserves one whole Ray CPU for its controller and for each storage unit (2 units here): on a
         # 2-core machine Ray must be told 4 logical CPUs or tq.init() hangs (reference doc §5.1).

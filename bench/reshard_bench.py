@@ -107,8 +107,14 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 
     if not args.swap_only:
         # 1. bucketed reshard (no swap) vs naive per-parameter all_gather + torch slicing + copy into buffers
+        def switch(**kw):
+            """allgather_swap of this rank's parameters into its inference buffers (kw: the options)"""
+            return allgather_swap(
+                params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, **kw
+            )
+
         def bucketed():
-            allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False)
+            switch(swap=False)
 
         def naive():
             out, _ = naive_reshard(params, plan, groups, infer_rank=infer_rank)
@@ -119,10 +125,15 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         t_b, _ = _timed(bucketed, args.reps, dist)
         t_n, _ = _timed(naive, args.reps, dist)
         ref = {k: v.clone() for k, v in views.items()}  # naive result
-        flat.zero_()
-        bucketed()
-        ok = all(torch.equal(views[k], ref[k]) for k in ref)
-        s = allgather_swap(params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank, swap=False)
+
+        def verified(fn) -> bool:
+            """Runs ``fn`` into zeroed inference buffers; True when they then hold the naive result."""
+            flat.zero_()
+            fn()
+            return all(torch.equal(views[k], ref[k]) for k in ref)
+
+        ok = verified(bucketed)
+        s = switch(swap=False)
         tele = s.telemetry
         rows.append(
             dict(
@@ -146,21 +157,10 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 
         # 1b. the same bucketed plan with the collective all_gather (what NCCL/HCCL groups use)
         def bucketed_collective():
-            allgather_swap(
-                params,
-                flat,
-                plan,
-                groups,
-                bucket_bytes=bucket,
-                infer_rank=infer_rank,
-                swap=False,
-                gather="all_gather",
-            )
+            switch(swap=False, gather="all_gather")
 
         t_c, _ = _timed(bucketed_collective, args.reps, dist)
-        flat.zero_()
-        bucketed_collective()
-        ok_c = all(torch.equal(views[k], ref[k]) for k in ref)
+        ok_c = verified(bucketed_collective)
         rows.append(
             dict(
                 case="reshard_bucketed_all_gather_vs_naive",
@@ -174,16 +174,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
 
         # 1c. pipelined buckets: gather bucket k+1 while the fused copy of bucket k runs (same run, same plan)
         def pipelined():
-            allgather_swap(
-                params,
-                flat,
-                plan,
-                groups,
-                bucket_bytes=bucket,
-                infer_rank=infer_rank,
-                swap=False,
-                pipeline=True,
-            )
+            switch(swap=False, pipeline=True)
 
         # interleaved (plain, pipelined) pairs, so drift on the shared machine hits both alike
         pipelined()
@@ -196,9 +187,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                 fn()
                 acc.append(time.perf_counter() - t0)
         t_pl, t_np = statistics.median(t_pls), statistics.median(t_nps)
-        flat.zero_()
-        pipelined()
-        ok_p = all(torch.equal(views[k], ref[k]) for k in ref)
+        ok_p = verified(pipelined)
         rows.append(
             dict(
                 case="reshard_pipelined_vs_not",
@@ -243,25 +232,14 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             return max(peak[0], rss()) - base, base
 
         for gather_mode in ("auto", "all_gather"):
-            allgather_swap(
-                params, flat, plan, groups, bucket_bytes=bucket, infer_rank=infer_rank
-            ).swap_back().wait()
+            switch().swap_back().wait()
             holder: dict = {}
 
-            def switch(holder: dict = holder, gather_mode: str = gather_mode) -> None:
-                holder["s"] = allgather_swap(
-                    params,
-                    flat,
-                    plan,
-                    groups,
-                    bucket_bytes=bucket,
-                    infer_rank=infer_rank,
-                    measure=True,
-                    gather=gather_mode,
-                )
+            def measured_switch(holder: dict = holder, gather_mode: str = gather_mode) -> None:
+                holder["s"] = switch(measure=True, gather=gather_mode)
 
             dist.barrier()
-            rss_switch, _ = rss_peak(switch)
+            rss_switch, _ = rss_peak(measured_switch)
             s = holder["s"]
             t = s.telemetry
             s.swap_back().wait()

@@ -18,6 +18,17 @@ import models_harness  # noqa: E402
 
 TOL = 1e-5
 ATTN = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64)
+# Qwen3-MoE: 4 experts of FFN 32, top-2, head_dim 16 (the cases differ in router normalisation, layout)
+MOE = dict(
+    vocab_size=1000,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    **ATTN,
+)
 CASES = [
     # Qwen2: GQA (8 heads, 2 KV), QKV bias, untied, vocab 1000 (Megatron pads to 1024)
     dict(
@@ -73,17 +84,7 @@ CASES = [
         grad=True,
         arch="qwen3_moe",
         ep=2,
-        hf=dict(
-            vocab_size=1000,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            moe_intermediate_size=32,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            **ATTN,
-        ),
+        hf=dict(MOE, norm_topk_prob=True),
     ),
     # Qwen3-MoE with its experts TP-sharded (TP 2, EP 1), the top-k of the full softmax (norm_topk_prob False:
     # Megatron's pre-softmax router)
@@ -92,17 +93,7 @@ CASES = [
         grad=True,
         arch="qwen3_moe",
         tp=2,
-        hf=dict(
-            vocab_size=1000,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            moe_intermediate_size=32,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            **ATTN,
-        ),
+        hf=dict(MOE, norm_topk_prob=False),
     ),
 ]
 

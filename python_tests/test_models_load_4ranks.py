@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed")
 pytest.importorskip("transformers", reason="transformers not installed")
 
 import models_harness  # noqa: E402
-from test_models_load import ATTN, GRAD_TOL, TOL  # noqa: E402
+from test_models_load import ATTN, GRAD_TOL, MOE, TOL, _case  # noqa: E402
 
 CASES = [
     dict(
@@ -30,17 +30,7 @@ CASES = [
         tp=2,
         ep=2,
         grad=True,
-        hf=dict(
-            vocab_size=1000,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=4,
-            moe_intermediate_size=32,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            **ATTN,
-        ),
+        hf=dict(MOE, norm_topk_prob=True),
     ),
 ]
 
@@ -54,9 +44,7 @@ def results(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_mixed_layouts_are_exact(results, name):
-    per_rank = [r[name] for r in results]
-    for r in per_rank:
-        assert "error" not in r, r.get("traceback", r.get("error"))
+    per_rank = _case(results, name)
     with_logits = [r for r in per_rank if "logits_max_abs_diff" in r]
     assert len(with_logits) == (2 if name.endswith("pp2_tied") else 4)  # PP 2: the last stage's 2 TP ranks
     for r in with_logits:
