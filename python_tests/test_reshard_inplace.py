@@ -8,6 +8,10 @@ verl's own export) are in verl_tests/test_verl_weights.py."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import pytest
 import torch
 
@@ -16,6 +20,72 @@ from msrl_core.reshard.memory import MemoryProbe
 from reshard_util import CONFIGS, gathered_bucket, random_shards
 
 BUCKET = 16 << 10
+HERE = os.path.dirname(os.path.abspath(__file__))
+# two gloo ranks: (config, training layout, names); the group is the layout's only dimension of size 2
+PAIR_CASES = [
+    ("qwen3_moe", {"ep": 2}, "hf"),  # own experts in place, the other rank's from a compacted exchange
+    ("qwen3_moe", {"ep": 2}, "vllm"),  # w13/w2 fused from both ranks: the own slot is read, kept
+    ("qwen2_gqa_bias", {"tp": 2}, "hf"),  # only the norms in place; every other bucket exchanged
+]
+
+
+def _pair_worker(rank: int, world: int, port: int, cases: list, out: str) -> None:
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from msrl_core.reshard import Parallel, megatron_to_vllm, stream_buckets, to_hf
+    from reshard_util import CONFIGS, random_shards
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group([0, 1])
+    res: dict = {}
+    for name, dims, names in cases:
+        cfg = CONFIGS[name]
+        train = Parallel(tp=dims.get("tp", 1), ep=dims.get("ep", 1))
+        plan = to_hf(cfg, train) if names == "hf" else megatron_to_vllm(cfg, train, Parallel(tp=2, ep=2))
+        groups = {k: group for k in dims}
+        params = random_shards(plan, seed=5)[(0, rank if "tp" in dims else 0, rank if "ep" in dims else 0)]
+        kw = dict(names=names, bucket_bytes=BUCKET, infer_rank=rank if names == "vllm" else None)
+        base = {n: t.clone() for b in stream_buckets(params, plan, groups, **kw) for n, t in b}
+        stream = stream_buckets(params, plan, groups, inplace=True, **kw)
+        got = {n: t.clone() for b in stream for n, t in b}
+        t = stream.telemetry
+        biggest = max(b.local_bytes for b in plan.buckets(BUCKET) if b.members > 1)
+        res[f"{name}/{names}"] = {
+            "names_equal": sorted(got) == sorted(base),
+            "mismatch": [n for n in base if n in got and not torch.equal(got[n], base[n])][:5],
+            "inplace": t.inplace_tensors,
+            "scratch_views": t.scratch_views,
+            "gather_scratch": t.gather_scratch_bytes,
+            "biggest_member_bytes": biggest,
+        }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from megatron_harness import spawn
+
+    return spawn(_pair_worker, PAIR_CASES, 2, 300.0, "in-place stream workers")
+
+
+@pytest.mark.parametrize("case", [f"{n}/{x}" for n, _, x in PAIR_CASES])
+def test_two_ranks_inplace_equals_the_copying_stream(pair, case):
+    """Over gloo (p2p exchange): the in-place stream yields what the copying stream yields on both ranks;
+    at EP 2 in HF names each rank's scratch holds only the other rank's slot (compacted, sent straight from
+    the parameters), and the other rank's experts are views of it."""
+    for rank in (0, 1):
+        r = pair[rank][case]
+        assert r["names_equal"] and not r["mismatch"], (rank, r)
+        assert r["inplace"] > 0
+        if case == "qwen3_moe/hf":
+            assert r["scratch_views"] == 2 * 2 * 3  # 2 layers x the other rank's 2 experts x gate, up, down
+            assert r["gather_scratch"] == r["biggest_member_bytes"], r  # one slot, not two
 
 
 @pytest.mark.parametrize(

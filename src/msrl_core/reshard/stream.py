@@ -88,6 +88,7 @@ class BucketStream:
         self._views: dict[str, tuple[str, int]] = {}
         self._walk = list(range(len(buckets)))  # the gather buckets every rank walks, in order
         self._direct: dict[int, list[tuple[str, Any]]] = {}  # bucket -> (param, CopyPlan): no exchange
+        self._p2p: dict[int, bool] = {}  # bucket -> this rank reads its own slot (else compacted)
         if inplace:
             tp_rank, ep_rank = group_rank(groups.get("tp")), group_rank(groups.get("ep"))
             self._views = plan.inplace_targets(prep.infer_rank, prep.stage, tp_rank, ep_rank)
@@ -100,18 +101,40 @@ class BucketStream:
             from msrl_core import CopyPlan
 
             rebased = plan.stream_schedule(bucket_bytes, prep.infer_rank, views)[1]
+            self._cplans = list(self._cplans)
             for k in self._walk:
-                if buckets[k].members == 1:  # nothing crosses ranks: copy from the parameters themselves
-                    d = rebase_onto_params(buckets[k], rebased[k])
+                b = buckets[k]
+                if b.members == 1:  # nothing crosses ranks: copy from the parameters themselves
+                    d = rebase_onto_params(b, rebased[k])
                     self._direct[k] = [(n, CopyPlan(x)) for n, x in d.items()]
+                elif prep.modes[b.group] == "p2p":  # every rank alike: sent from the parameters, no pack
+                    me, lb = group_rank(groups.get(b.group)), b.local_bytes
+                    rd = rebased[k]
+                    own = bool(len(rd)) and bool(((rd[:, 0] >= me * lb) & (rd[:, 0] < (me + 1) * lb)).any())
+                    own = own or any(
+                        me * lb <= off < (me + 1) * lb
+                        for sb in self.schedule
+                        for _, off, _ in sb.gathered
+                        if sb.gather and sb.gather[-1] == k
+                    )
+                    self._p2p[k] = own
+                    if not own and len(rd):  # compacted slots: the members after this rank move down one
+                        rd = rd.copy()
+                        rd[rd[:, 0] >= (me + 1) * lb, 0] -= lb
+                        self._cplans[k] = CopyPlan(rd)
         self._buckets = buckets
-        gathered = [buckets[k] for k in self._walk if k not in self._direct]
+        gathered = [buckets[k] for k in self._walk if k not in self._direct and k not in self._p2p]
+        p2p_bytes = [
+            (b.members - (0 if self._p2p[b.index] else 1)) * b.local_bytes
+            for b in buckets
+            if b.index in self._p2p
+        ]
         self.telemetry = StreamTelemetry(
             layout=plan.layout,
             infer_rank=prep.infer_rank,
             buckets=0,
             gather_buckets=len(self._walk),
-            gather_scratch_bytes=scratch_bytes(gathered, prep.modes) if gathered else 0,
+            gather_scratch_bytes=max([scratch_bytes(gathered, prep.modes) if gathered else 0, *p2p_bytes]),
             output_scratch_bytes=max(sb.nbytes for sb in self.schedule),
             skipped_buckets=len(buckets) - len(self._walk),
             direct_buckets=len(self._direct),
@@ -156,6 +179,16 @@ class BucketStream:
                 t1 = time.perf_counter()
                 if k in self._direct:
                     err = self._copy_direct(k, out, cur_stream, deadline)
+                elif k in self._p2p:
+                    gathered, err = gatherer.exchange_params(cur, scratch, self._p2p[k], deadline)
+                    t1 = time.perf_counter()
+                    if err is None and cplans[k] is not None:
+                        try:
+                            self._engine.execute(cplans[k], out, gathered, after=cur_stream).wait(
+                                deadline.left()
+                            )
+                        except Exception as e:
+                            err = e
                 else:
                     gathered, err = gatherer.gather(cur, scratch, deadline)
                     t1 = time.perf_counter()
@@ -202,13 +235,23 @@ class BucketStream:
                     for name, off, shape in sb.tensors
                 ]
                 + [
-                    (name, scratch[off : off + _numel(shape) * es].view(dtype).view(shape))
-                    for name, off, shape in sb.gathered
+                    (name, scratch[o : o + _numel(shape) * es].view(dtype).view(shape))
+                    for name, o, shape in ((n, self._scratch_at(sb, off), sh) for n, off, sh in sb.gathered)
                 ]
                 + views
             )
         tele.finished = True
         tele.total_s = time.perf_counter() - t_start
+
+    def _scratch_at(self, sb: StreamBucket, off: int) -> int:
+        """Where a view of the gather scratch lies: its plan offset, moved down one slot in a compacted
+        exchange for the members after this rank."""
+        k = sb.gather[-1]
+        if self._p2p.get(k, True):
+            return off
+        b = self._buckets[k]
+        me = group_rank(self._groups.get(b.group))
+        return off - b.local_bytes if off >= (me + 1) * b.local_bytes else off
 
     def _copy_direct(self, k: int, out: Any, stream: Any, deadline: Deadline) -> Exception | None:
         """Bucket ``k`` has nothing to exchange: one fused copy per parameter straight into the output."""
