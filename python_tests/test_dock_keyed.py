@@ -189,6 +189,22 @@ def test_clear_makes_claims_stale_and_partitions_stay_apart():
     assert dock.partitions() == ["b"]
 
 
+def test_fetch_with_a_claim_from_before_a_clear_is_refused_even_when_its_rows_are_reused():
+    dock = make_dock()
+    old = {"prompts": [np.array([1, 1]), np.array([2])], "rewards": np.array([1.0, 2.0], np.float32)}
+    dock.put(old, partition="a", keys=["x", "y"])
+    claim = dock.claim("update", 8, partition="a")
+    assert dock.fetch(claim)["rewards"].tolist() == [1.0, 2.0]
+    dock.clear("a")
+    new = {"prompts": [np.array([7]), np.array([8, 8, 8])], "rewards": np.array([7.0, 8.0], np.float32)}
+    rows = dock.put(new, partition="a", keys=["x2", "y2"])
+    assert sorted(rows.tolist()) == sorted(claim.rows.tolist())  # the cleared rows hold new data now
+    for copy in (True, False):
+        with pytest.raises(InvalidArgument, match="stale claim.*partition 'a'.*cleared or reset"):
+            dock.fetch(claim, copy=copy)
+    assert dock.get(["x2", "y2"], ["rewards"], partition="a")["rewards"].tolist() == [7.0, 8.0]
+
+
 def test_tags_upsert_with_and_without_data_and_list():
     dock = make_dock()
     dock.tag(["k1", "k2"], [{"status": "running"}, {"status": "new", "len": 3}], partition="train")

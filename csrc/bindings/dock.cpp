@@ -251,6 +251,7 @@ void bind_dock_keys(py::class_<dock::DockCore>& core) {
           py::arg("name"), py::arg("create") = true, "The id of a partition ('' = the default one).")
       .def("partition_names", &DockCore::partition_names)
       .def("partition_epoch", &DockCore::partition_epoch)
+      .def("check_claim_epoch", &DockCore::check_claim_epoch, py::arg("p"), py::arg("epoch"))
       .def_property_readonly("num_columns", &DockCore::num_columns)
       .def(
           "declare_column", [](DockCore& d, const ColumnTuple& col) { return d.declare_column(parse_column(col)); },

@@ -320,6 +320,9 @@ class ControllerState:
     def progress_in(self, p: int, stage: int) -> dict:
         return self.core.progress(stage, p)
 
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self.core.check_claim_epoch(p, epoch)
+
     def serve(self) -> Server:
         """Starts the same-node fast path."""
         ops: dict[str, Any] = {
@@ -342,6 +345,7 @@ class ControllerState:
             "claim_dp": self.claim_dp,
             "release_in": self.release_in,
             "complete_in": self.complete_in,
+            "check_claim_epoch": self.check_claim_epoch,
         }
         return Server(ops, "ctl", **wire_options())
 

@@ -758,6 +758,9 @@ class RayBackend:
     def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self._ctl("complete_in", p, stage, rows, epoch, claim_id)
 
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self._ctl("check_claim_epoch", p, epoch)
+
     def progress_in(self, p: int, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress_in", p, stage), "controller")
 

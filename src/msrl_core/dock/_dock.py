@@ -394,8 +394,9 @@ class Dock(KeyedMixin):
         nested_td = as_td and layout == "nested"
         store_layout = "padded" if layout == "padded" else "packed"
         # The warehouses check a claim's iteration against reset(); a partition's claims count clears,
-        # which put/release/complete check natively (a fetch after a clear finds its rows erased).
-        read_epoch = epoch_of(meta) if partition_of(meta) is None else -1
+        # which the control plane checks after the copy (a clear that reused the rows meanwhile is caught).
+        claim_partition = partition_of(meta)
+        read_epoch = epoch_of(meta) if claim_partition is None else -1
         rows = rows_array(meta, self.capacity)
         cids = [self._column_ids[c] for c in columns]
         data: dict[str, Any] = {}
@@ -407,6 +408,12 @@ class Dock(KeyedMixin):
         else:
             got = self._backend.fetch_views(specs, rows, read_epoch)
             views = {name for name, g in zip(columns, got) if g[2]}
+        if claim_partition is not None and epoch_of(meta) >= 0:
+            try:
+                self._backend.check_claim_epoch(self._pid(claim_partition), epoch_of(meta))
+            except BaseException:
+                got = []  # no view of the refused read stays pinned by the traceback
+                raise
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
             if col.is_object:  # decoded here, in the reading client only

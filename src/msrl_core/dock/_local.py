@@ -149,6 +149,9 @@ class LocalBackend:
     def progress_in(self, p: int, stage: int) -> dict:
         return self._core.progress(stage, p)
 
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self._core.check_claim_epoch(p, epoch)
+
     def column_stats(self, cid: int) -> list[dict]:
         return self._core.column_stats(cid)
 
