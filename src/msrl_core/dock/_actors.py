@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
+from msrl_core.dock._backend import ClaimDP, ClaimIn
 from msrl_core.dock._types import _STORAGE
 from msrl_core.dock._wire import Server
 from msrl_core.errors import InvalidArgument, MsrlError, Timeout, Unavailable
@@ -296,20 +297,11 @@ class ControllerState:
         self._erase(self.core.begin_clear(p))
         self.core.drop_partition(p)
 
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        return self.core.claim_in(p, stage, max_rows, min_rows, timeout, max_items, min_version)
+    def claim_in(self, *req: Any) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_in(*ClaimIn(*req))  # the fields of a ClaimIn, as the wire carries them
 
-    def claim_dp(self, *args: Any) -> tuple[np.ndarray, int, int]:
-        return self.core.claim_dp(*args)
+    def claim_dp(self, *req: Any) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_dp(*ClaimDP(*req))
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self.core.release_in(p, stage, rows, epoch, claim_id)

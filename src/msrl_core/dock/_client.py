@@ -25,6 +25,7 @@ import numpy as np
 
 from msrl_core import _core
 from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
+from msrl_core.dock._backend import ClaimDP, ClaimIn
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
@@ -720,36 +721,12 @@ class RayBackend:
             rows = rows[np.argsort(wh, kind="stable")]
         return rows
 
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        rows, epoch, claim_id = self._ctl(
-            "claim_in", p, stage, max_rows, min_rows, timeout, max_items, min_version, wait=timeout
-        )
+    def claim_in(self, req: ClaimIn) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl("claim_in", *req, wait=req.timeout)
         return self._by_warehouse(rows), int(epoch), int(claim_id)
 
-    def claim_dp(
-        self,
-        p: int,
-        stage: int,
-        rnd: str,
-        dp_rank: int,
-        dp_size: int,
-        ranks: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        args = (p, stage, rnd, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, min_version)
-        rows, epoch, claim_id = self._ctl("claim_dp", *args, wait=timeout)
+    def claim_dp(self, req: ClaimDP) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl("claim_dp", *req, wait=req.timeout)
         return self._by_warehouse(rows), int(epoch), int(claim_id)
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:

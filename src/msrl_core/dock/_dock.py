@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core.dock import _objects
-from msrl_core.dock._backend import Backend
+from msrl_core.dock._backend import Backend, ClaimDP, ClaimIn
 from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._jagged import ragged_output
 from msrl_core.dock._keyed import KeyedMixin, _keys_list
@@ -313,21 +313,23 @@ class Dock(KeyedMixin):
                 raise InvalidArgument("a DP claim balances by balance_by itself: max_items does not apply")
             p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_dp(
-                p,
-                sid,
-                f"{type(batch).__name__}:{batch}",
-                int(dp_rank),
-                int(dp_size),
-                int(ranks_per_replica),
-                int(max_rows),
-                int(min_rows),
-                float(timeout),
-                min_version,
+                ClaimDP(
+                    p,
+                    sid,
+                    f"{type(batch).__name__}:{batch}",
+                    int(dp_rank),
+                    int(dp_size),
+                    int(ranks_per_replica),
+                    int(max_rows),
+                    int(min_rows),
+                    float(timeout),
+                    min_version,
+                )
             )
         else:
             p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_in(
-                p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version
+                ClaimIn(p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version)
             )
         self._record("claim", t0)
         return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id, partition)
