@@ -7,18 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dock_util import keyed_dock_args
 from msrl_core import Column, Dock
 from msrl_core.errors import OutOfMemory
 
 
 def make_dock(**kw) -> Dock:
-    args = dict(
-        columns={"prompts": Column("int64", ragged=True, max_len=4)},
-        stages={"reward": ["prompts", "responses"], "update": ["prompts", "rewards"]},
-        capacity=8,
-    )
-    args.update(kw)
-    return Dock(**args)
+    return Dock(**keyed_dock_args(**kw))
 
 
 def test_erase_frees_rows_and_bytes_for_reuse():

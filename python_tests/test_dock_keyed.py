@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from dock_util import init_local_ray
+from dock_util import init_local_ray, keyed_dock_args
 from msrl_core import Column, Dock
 from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory
 
@@ -47,13 +47,7 @@ def new_dock(**kw) -> Dock:
 
 
 def make_dock(**kw) -> Dock:
-    args = dict(
-        columns={"prompts": Column("int64", ragged=True, max_len=4)},
-        stages={"reward": ["prompts", "responses"], "update": ["prompts", "rewards"]},
-        capacity=8,
-    )
-    args.update(kw)
-    return new_dock(**args)
+    return new_dock(**keyed_dock_args(**kw))
 
 
 def observable(dock: Dock, partition: str) -> tuple:
