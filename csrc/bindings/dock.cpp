@@ -752,6 +752,14 @@ void bind_dock(py::module_& m) {
           py::arg("id"), py::arg("column"), py::arg("external") = 0)
       .def("declared", &dock::Warehouse::declared, py::arg("column"))
       .def(
+          "resize_external",
+          [](dock::Warehouse& w, int column, uintptr_t base, int64_t capacity) {
+            w.resize_external(column, reinterpret_cast<uint8_t*>(base), capacity);
+          },
+          py::arg("column"), py::arg("base"), py::arg("capacity"),
+          "A ragged column's caller-provided arena, grown or shrunk: the same bytes at the same offsets, now "
+          "at base with capacity bytes (the old memory must stay mapped for readers in flight).")
+      .def(
           "column_stats", [](const dock::Warehouse& w, int column) { return stats_dict(w.column_stats(column)); },
           py::arg("column"))
       .def_property_readonly("num_columns", &dock::Warehouse::num_columns)
