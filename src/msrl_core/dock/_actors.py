@@ -338,6 +338,9 @@ class ControllerState:
             "release_in": self.release_in,
             "complete_in": self.complete_in,
             "check_claim_epoch": self.check_claim_epoch,
+            "partition_names": self.partition_names,
+            "list_keys": self.list_keys,
+            "tag": self.tag,
         }
         return Server(ops, "ctl", **wire_options())
 

@@ -654,7 +654,7 @@ class RayBackend:
         self._pids = {n: q for n, q in self._pids.items() if q != p}
 
     def partition_names(self) -> list[str]:
-        return self._get(self.controller.call.remote("partition_names"), "controller")
+        return self._ctl("partition_names")
 
     def column_info(self, name: str) -> tuple | None:
         return self._ctl("column_info", name)
@@ -704,14 +704,14 @@ class RayBackend:
         return self._ctl("keys_of", p, rows)
 
     def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
-        return self._get(self.controller.call.remote("list_keys", p), "controller")
+        return self._ctl("list_keys", p)
 
     def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
         flat = self._ctl("written", p, keys, cids)
         return np.asarray(flat, dtype=bool).reshape(len(keys), len(cids))
 
     def tag(self, p: int, keys: list, tags: list) -> None:
-        self._get(self.controller.call.remote("tag", p, keys, tags), "controller")
+        self._ctl("tag", p, keys, tags)
 
     def _ctl_ray(self, op: str, *args: Any) -> Any:
         self._unpinner.flush()  # views dropped here unpin first
