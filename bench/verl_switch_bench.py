@@ -1,13 +1,14 @@
 """verl's weight switch: ``MegatronEngine.get_per_tensor_param`` through verl's own code (mbridge's export:
 one TP all-gather, PP broadcast and EP all-gather per parameter) vs the one ``msrl_core.integrations.verl``
-installs (``stream_buckets``: one gather and one fused copy per bucket), same model, same run, same
-consumer.
+installs (``stream_buckets``: one gather and one fused copy per bucket, tensors the rank holds contiguously
+yielded in place), and the same stream with every tensor copied through its scratches
+(``HFWeightExport(inplace=False)``, system ``msrl_copy``), same model, same run, same consumer.
 
 Spawns ``--world`` processes over gloo (CPU, host runtime) with a megatron-core GPTModel (python_tests'
 harness, TE-spec names as verl_tests/verl_util.py explains), cast to bf16 as verl trains. The consumer is
 verl's ``BucketedWeightSender`` loop without the socket: each yielded tensor is copied into a reused
-``--sender-mib`` buffer at the next aligned offset. Per system, warm-up then ``--reps`` runs, the two
-systems interleaved (A B A B ...); per run, on every rank together (barrier first):
+``--sender-mib`` buffer at the next aligned offset. Per system, warm-up then ``--reps`` runs, the three
+systems interleaved (A B C A B C ...); per run, on every rank together (barrier first):
 
 - ``s``: wall time from the ``get_per_tensor_param`` call to the end of the iteration;
 - ``torch_peak_bytes``: the peak of the bytes torch allocated during the run
@@ -18,7 +19,7 @@ systems interleaved (A B A B ...); per run, on every rank together (barrier firs
   returns large blocks to the OS at once: ``MALLOC_MMAP_THRESHOLD_`` is fixed at 128 KiB in the workers).
   Every timed run records it; the torch tally slows each op, so it runs once per system, untimed.
 
-The tensors both systems yield are compared after timing (names, shapes, dtypes, values). Prints one JSON
+The tensors the systems yield are compared after timing (names, shapes, dtypes, values). Prints one JSON
 line per system (rank 0's medians, ``max_rank_s`` the slowest rank's median) and one with the ratios.
 
     .venv-verl/bin/python bench/verl_switch_bench.py [--world 2] [--tp 2] [--pp 1] [--ep 1] [--moe]
@@ -145,11 +146,22 @@ def _bench_case(case: dict, rank: int, world: int) -> dict:
     model, _cfg, hf_config, _ps = iu.build(case)
     model.to(torch.bfloat16)
     eng = verl_util.verl_engine(model, hf_config)
-    eng._msrl_export = HFWeightExport(bucket_bytes=case["bucket_mib"] << 20)
+    bucket = case["bucket_mib"] << 20
+    inplace = HFWeightExport(bucket_bytes=bucket)  # what the adapter installs (in place where it can)
+    copying = HFWeightExport(bucket_bytes=bucket, inplace=False)  # every tensor through the scratches
+
+    def ours(export: HFWeightExport):
+        def go():
+            eng._msrl_export = export
+            return eng.get_per_tensor_param()[0]
+
+        return go
+
     sender = Sender(case["sender_mib"] << 20)
     systems = {
         "verl": lambda: mv.ORIGINAL["get_per_tensor_param"](eng)[0],
-        "msrl": lambda: eng.get_per_tensor_param()[0],
+        "msrl": ours(inplace),
+        "msrl_copy": ours(copying),
     }
 
     def run(name: str) -> dict:
@@ -181,16 +193,58 @@ def _bench_case(case: dict, rank: int, world: int) -> dict:
         res[name]["torch_peak_bytes"] = measured(name)
     # after timing: the two systems yield the same tensors
     theirs, _ = verl_util.collect(systems["verl"]())
-    ours, _ = verl_util.collect(systems["msrl"]())
-    res["compare"] = iu.compare(ours, theirs)
-    res["tensors"] = len(ours)
-    res["hf_bytes"] = sum(t.nbytes for t in ours.values())
+    mine, _ = verl_util.collect(systems["msrl"]())
+    res["compare"] = iu.compare(mine, theirs)
+    res["tensors"] = len(mine)
+    res["hf_bytes"] = sum(t.nbytes for t in mine.values())
     res["shard_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    res["msrl_buckets"] = eng._msrl_export.telemetry.buckets
-    res["msrl_scratch_bytes"] = (
-        eng._msrl_export.telemetry.gather_scratch_bytes + eng._msrl_export.telemetry.output_scratch_bytes
-    )
+    for name, export in (("msrl", inplace), ("msrl_copy", copying)):
+        t = export.telemetry
+        res[name]["telemetry"] = {
+            "buckets": t.buckets,
+            "scratch_bytes": t.gather_scratch_bytes + t.output_scratch_bytes,
+            "gather_scratch_bytes": t.gather_scratch_bytes,
+            "output_scratch_bytes": t.output_scratch_bytes,
+            "gather_buckets": t.gather_buckets,
+            "skipped_buckets": t.skipped_buckets,
+            "direct_buckets": t.direct_buckets,
+            "inplace_tensors": t.inplace_tensors,
+            "scratch_views": t.scratch_views,
+            "bytes_inplace": t.bytes_inplace,
+        }
+    theirs_copy, _ = verl_util.collect(systems["msrl_copy"]())
+    res["compare_copy"] = iu.compare(theirs_copy, theirs)
     return res
+
+
+def run_ranks(worker, case: dict, world: int) -> list[dict]:
+    """``case`` on ``world`` spawned ranks (megatron_harness over gloo): each rank's result, or the first
+    rank's traceback as the exit message."""
+    import megatron_harness
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # glibc reads it at start-up: the workers inherit it
+    per_rank = [
+        r[case["name"]] for r in megatron_harness.spawn(worker, [case], world, 3600.0, "bench workers")
+    ]
+    for r in per_rank:
+        if "error" in r:
+            raise SystemExit(r["traceback"])
+    return per_rank
+
+
+def run_meta(world: int) -> dict:
+    """What every JSON line records: commit, date, machine, versions, ranks."""
+    import torch
+    import verl
+
+    return {
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "torch": torch.__version__,
+        "verl": verl.__version__,
+        "world": world,
+    }
 
 
 def main() -> None:
@@ -205,11 +259,6 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=int, default=16, help="msrl stream bucket (MSRL_VERL_BUCKET_MB)")
     ap.add_argument("--sender-mib", type=int, default=512, help="verl's update_weights_bucket_megabytes")
     a = ap.parse_args()
-    import torch
-    import verl
-
-    import megatron_harness
-
     case = {
         "name": "switch",
         "model": (bench_moe_model if a.moe else bench_model)(a.layers),
@@ -220,23 +269,10 @@ def main() -> None:
         "bucket_mib": a.bucket_mib,
         "sender_mib": a.sender_mib,
     }
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = (
-        "131072"  # glibc reads it at start-up: the spawned workers inherit it
-    )
-    per_rank = [
-        r["switch"] for r in megatron_harness.spawn(_worker, [case], a.world, 3600.0, "bench workers")
-    ]
-    for r in per_rank:
-        if "error" in r:
-            raise SystemExit(r["traceback"])
+    per_rank = run_ranks(_worker, case, a.world)
     r0 = per_rank[0]
     meta = {
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "torch": torch.__version__,
-        "verl": verl.__version__,
-        "world": a.world,
+        **run_meta(a.world),
         "tp": a.tp,
         "pp": a.pp,
         "ep": a.ep,
@@ -247,28 +283,39 @@ def main() -> None:
         "tensors": r0["tensors"],
         "hf_bytes": r0["hf_bytes"],
         "shard_bytes": r0["shard_bytes"],
-        "same_tensors": r0["compare"]["names_equal"] and not r0["compare"]["value_mismatch"],
+        "same_tensors": all(
+            r[k]["names_equal"] and not r[k]["value_mismatch"] and not r[k]["dtype_mismatch"]
+            for r in per_rank
+            for k in ("compare", "compare_copy")
+        ),
+        "load_avg": os.getloadavg(),
     }
-    for name in ("verl", "msrl"):
+    for name in ("verl", "msrl", "msrl_copy"):
         row = {"case": f"get_per_tensor_param/{name}", **meta, **r0[name]}
         row["max_rank_s"] = max(r[name]["s"] for r in per_rank)
-        if name == "msrl":
+        if name != "verl":
             row["bucket_bytes"] = a.bucket_mib << 20
-            row["buckets"] = r0["msrl_buckets"]
-            row["scratch_bytes"] = r0["msrl_scratch_bytes"]
         print(json.dumps(row))
-    v, m = r0["verl"], r0["msrl"]
-    print(
-        json.dumps(
-            {
-                "case": "ratio verl/msrl",
-                **meta,
-                "time": round(v["s"] / m["s"], 3),
-                "torch_peak": round(v["torch_peak_bytes"] / max(m["torch_peak_bytes"], 1), 3),
-                "rss_peak": round(v["rss_peak_bytes"] / max(m["rss_peak_bytes"], 1), 3),
-            }
+    v = r0["verl"]
+    for name in ("msrl", "msrl_copy"):
+        m = r0[name]
+        print(
+            json.dumps(
+                {
+                    "case": f"ratio verl/{name}",
+                    **meta,
+                    "time": round(v["s"] / m["s"], 3),
+                    # the peaks can be 0 (nothing allocated): the ratio is then left out
+                    "torch_peak": round(v["torch_peak_bytes"] / m["torch_peak_bytes"], 3)
+                    if m["torch_peak_bytes"]
+                    else None,
+                    "torch_peak_bytes": [v["torch_peak_bytes"], m["torch_peak_bytes"]],
+                    "rss_peak": round(v["rss_peak_bytes"] / m["rss_peak_bytes"], 3)
+                    if m["rss_peak_bytes"]
+                    else None,
+                }
+            )
         )
-    )
 
 
 if __name__ == "__main__":

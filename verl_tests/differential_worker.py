@@ -33,7 +33,27 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
             theirs.pop("lm_head.weight"), ours["model.embed_tokens.weight"]
         )
         res["ours_vs_verl_but_lm_head"] = iu.compare(ours, theirs)
-    res["ours_buckets"] = eng._msrl_export.telemetry.buckets
+    tele = eng._msrl_export.telemetry
+    res["ours_buckets"] = tele.buckets
+    res["telemetry"] = {
+        k: getattr(tele, k)
+        for k in (
+            "inplace_tensors",
+            "scratch_views",
+            "bytes_inplace",
+            "bytes_yielded",
+            "gather_buckets",
+            "skipped_buckets",
+            "direct_buckets",
+            "gather_scratch_bytes",
+            "output_scratch_bytes",
+        )
+    }
+    # the in-place tensors are views of this rank's own parameter storages (no copy); the others are not
+    storages = {p.untyped_storage().data_ptr() for p in params.values()}
+    res["aliasing"] = sum(
+        t.untyped_storage().data_ptr() in storages for _, t in eng.get_per_tensor_param()[0]
+    )
     res["dtypes"] = sorted({str(t.dtype) for t in ours.values()})
     _, train = megatron_layout(eng.module, hf_config, ps)
     res["verl_vs_reference"] = iu.compare(
@@ -47,6 +67,7 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     eng.optimizer = torch.optim.Adam(list(params.values()), lr=0.0)  # state, unchanged weights
     eng.optimizer.step()
     before = iu.crcs(params)
+    moments = {id(p): {k: v.clone() for k, v in eng.optimizer.state[p].items()} for p in params.values()}
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params.values()}
     eng.to("cpu")
     off = eng._msrl_offload
@@ -71,6 +92,9 @@ def differential_case(case: dict, rank: int, world: int) -> dict:
     res["grads_zero"] = all(bool((p.grad == 0).all()) for p in params.values())
     res["optimizer_back"] = all(
         eng.optimizer.state[p]["exp_avg"].untyped_storage().nbytes() > 0 for p in params.values()
+    )
+    res["optimizer_equal"] = all(
+        torch.equal(eng.optimizer.state[p][k], v) for p in params.values() for k, v in moments[id(p)].items()
     )
     return res
 

@@ -127,6 +127,7 @@ def test_fallback_to_verls_own_export(attrs, reason):
         ({"MSRL_VERL_OFFLOAD": "pageable"}, "MSRL_VERL_OFFLOAD='pageable'; allowed: mirror, verl"),
         ({"MSRL_VERL_BUCKET_MB": "-4"}, "MSRL_VERL_BUCKET_MB='-4'; allowed: a positive integer (MiB)"),
         ({"MSRL_VERL_COPY": "yes"}, "MSRL_VERL_COPY='yes'; allowed: 0, 1"),
+        ({"MSRL_VERL_INPLACE": "true"}, "MSRL_VERL_INPLACE='true'; allowed: 1, 0"),
     ],
 )
 def test_settings_name_the_bad_value(env, msg):
@@ -138,6 +139,8 @@ def test_settings_name_the_bad_value(env, msg):
     assert mv.settings({"MSRL_VERL_BUCKET_MB": "8", "MSRL_VERL_COPY": "1"}) == mv.Settings(
         bucket_bytes=8 << 20, copy=True
     )
+    assert mv.settings({"MSRL_VERL_INPLACE": "0"}) == mv.Settings(inplace=False)
+    assert mv.settings({}).inplace
 
 
 def _small_engine(monkeypatch):

@@ -41,6 +41,9 @@ CASES = [
     {"name": "tied_tp2_pp2", "model": TIED, "tp": 2, "pp": 2},
     {"name": "moe_tp2_ep2", "model": MOE, "tp": 2, "ep": 2},
     {"name": "moe_pp2_ep2", "model": MOE, "pp": 2, "ep": 2},
+    # TP 1: mbridge yields the parameters themselves; the stream yields views of them where it can
+    {"name": "dense_tp1", "model": DENSE},
+    {"name": "moe_ep2", "model": MOE, "ep": 2},
 ]
 # HF tensors per case: embed, norm, lm_head + per layer (dense: 2 norms, q/k/v w+b, o, gate, up, down = 12;
 # Qwen3-MoE: 2 norms, q/k/v, o, q_norm, k_norm, router, 4 experts x 3 = 21)
@@ -50,7 +53,13 @@ COUNTS = {
     "tied_tp2_pp2": 2 + 4 * 9,
     "moe_tp2_ep2": 3 + 2 * 21,
     "moe_pp2_ep2": 3 + 2 * 21,
+    "dense_tp1": 3 + 4 * 12,
+    "moe_ep2": 3 + 2 * 21,
 }
+# tensors yielded in place (views of the rank's own parameters) at TP 1, per rank:
+# dense: all but q/k/v weight and bias (6 per layer); Qwen3-MoE EP 2: all but q/k/v and the 2 x 3 tensors of
+# the other EP rank's experts (per layer 3 + 6 = 9)
+INPLACE = {"dense_tp1": 3 + 4 * 6, "moe_ep2": 3 + 2 * (21 - 9)}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,18 @@ def test_the_weights_are_verls(results, case):
         assert v["count"] == COUNTS[case]
         assert r["dtypes"] == ["torch.float32"]
         assert r["ours_buckets"] > 1
+        t = r["telemetry"]
+        assert t["inplace_tensors"] == r["aliasing"]  # exactly the in-place tensors alias the parameters
+        if case in INPLACE:
+            assert t["inplace_tensors"] == INPLACE[case], t
+            if case == "dense_tp1":  # nothing crosses ranks: q/k/v copied from the parameters, no gather
+                assert t["gather_scratch_bytes"] == 0 and t["direct_buckets"] == t["gather_buckets"] > 0, t
+            else:  # only the expert buckets are exchanged; the dense ones are copied from the parameters
+                assert t["gather_scratch_bytes"] > 0 and t["direct_buckets"] > 0, t
+                # the other EP rank's 2 experts x 3 tensors x 2 layers: views of the gather scratch
+                assert t["scratch_views"] == 12, t
+        else:  # TP 2 or PP 2: the replicated norms (and at PP 2 x EP 2 the own experts) in place
+            assert t["inplace_tensors"] > 0 and t["direct_buckets"] == 0, t
         ref = r["verl_vs_reference"]  # verl's export itself equals the independent torch reference
         assert ref["names_equal"] or ref["extra"] == ["lm_head.weight"], ref
         assert not ref["value_mismatch"], ref
@@ -98,3 +119,4 @@ def test_patched_to_round_trip(results, case):
         assert a["names_equal"] and not a["value_mismatch"], a
         assert r["grads_still_freed"]  # get_per_tensor_param loads the weights only, as verl's does
         assert r["restored_equal"] and r["grads_zero"] and r["optimizer_back"]
+        assert r["optimizer_equal"]  # Adam's moments and step counts bit for bit after the round trip

@@ -107,21 +107,30 @@ class HFWeightExport:
     model layout; plans are immutable metadata) and the last stream's telemetry.
 
     ``bucket_bytes``: gather bytes per member and output bytes per bucket (see ``stream_buckets``).
-    ``copy``: yield a clone of every tensor (for a consumer that keeps tensors past the next one without
-    copying them); by default the yielded tensors are views of the stream's reused output bucket, valid
-    until the iterator moves past the bucket's last tensor."""
+    ``inplace`` (default): a tensor this rank holds contiguously in one of its own parameters (TP 1 dense
+    weights, its own experts, replicated norms) is yielded as a view of that parameter, with no gather, no
+    copy and no scratch, as verl's mbridge export does at TP 1; the stream's scratches are sized to what is
+    still gathered (``stream_buckets(inplace=True)``). Those views alias the training weights: a consumer
+    copies them before the weights change and never writes into them (verl's senders copy every tensor
+    into their own buffer). ``copy``: yield a clone of every tensor (for a consumer that keeps tensors
+    past the next one without copying them); otherwise the other tensors are views of the stream's reused
+    output bucket, valid until the iterator moves past the bucket's last tensor."""
 
     def __init__(
         self,
         *,
         bucket_bytes: int = 64 << 20,
         copy: bool = False,
+        inplace: bool = True,
         timeout: float = DEFAULT_TIMEOUT,
         engine: Any = None,
     ) -> None:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
             raise ReshardError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not isinstance(inplace, bool):
+            raise ReshardError(f"inplace must be True or False, got {inplace!r}")
         self.bucket_bytes, self.copy, self.timeout, self.engine = bucket_bytes, copy, timeout, engine
+        self.inplace = inplace
         self._plans: dict[tuple[ModelConfig, Parallel], ReshardPlan] = {}
         self.telemetry: Any = None  # StreamTelemetry of the last stream
 
@@ -145,6 +154,7 @@ class HFWeightExport:
             bucket_bytes=self.bucket_bytes,
             engine=self.engine,
             timeout=self.timeout,
+            inplace=self.inplace,
         )
         self.telemetry = stream.telemetry
         return self._flatten(stream)

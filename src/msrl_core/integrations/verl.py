@@ -12,7 +12,10 @@ subclasses, which do not override them):
   one bucketed gather and one fused copy per bucket) instead of Megatron-Bridge / mbridge exporting one
   parameter at a time. Returns ``(iterator, None)`` like verl's. LoRA, QAT, FP8 export, MTP layers,
   virtual pipeline stages, architectures msrl_core's plan does not know and any model its checks reject
-  (every rank alike, after their agreement) fall back to verl's own method (one warning says why);
+  (every rank alike, after their agreement) fall back to verl's own method (one warning says why). A
+  tensor the rank holds as one contiguous range of its own parameter (TP 1 dense weights, its own experts,
+  replicated norms) is yielded as a view of the parameter, with no gather and no copy, as mbridge does at
+  TP 1; another EP rank's expert as a view of the gather scratch; the rest from the reused output bucket;
 - ``to``: weight offload to persistent pinned host mirrors in one batched copy each way
   (:class:`~msrl_core.integrations.megatron.MirrorOffload`), and the optimizer state and fp32 master
   weights through :class:`~msrl_core.reshard.TrainingStateOffload`, instead of verl's pageable per-buffer
@@ -24,7 +27,9 @@ subclasses, which do not override them):
 Environment (read at import; put them in ``ray_kwargs.ray_init.runtime_env.env_vars`` to reach the workers):
 ``MSRL_VERL_WEIGHTS`` = ``stream`` (default) | ``verl``; ``MSRL_VERL_OFFLOAD`` = ``mirror`` (default) |
 ``verl``; ``MSRL_VERL_BUCKET_MB`` = positive int (default 64); ``MSRL_VERL_COPY`` = ``0`` (default) | ``1``
-(yield clones instead of views of the reused bucket).
+(yield clones instead of views of the reused bucket); ``MSRL_VERL_INPLACE`` = ``1`` (default) | ``0`` (copy
+every tensor through the stream's scratch instead of yielding views of the parameters and the gather
+scratch).
 
 Supported verl versions: :data:`SUPPORTED_VERL`. Both have the same ``MegatronEngine.get_per_tensor_param``
 and ``to`` (compared line by line); any other version raises :class:`UnsupportedVerl` at import.
@@ -90,6 +95,7 @@ class Settings:
     offload: str = "mirror"
     bucket_bytes: int = 64 << 20
     copy: bool = False
+    inplace: bool = True
 
 
 def settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -110,6 +116,7 @@ def settings(env: Mapping[str, str] | None = None) -> Settings:
         offload=choice("MSRL_VERL_OFFLOAD", ("mirror", "verl")),
         bucket_bytes=int(mb) << 20,
         copy=choice("MSRL_VERL_COPY", ("0", "1")) == "1",
+        inplace=choice("MSRL_VERL_INPLACE", ("1", "0")) == "1",
     )
 
 
@@ -121,7 +128,9 @@ def _export(engine: Any) -> HFWeightExport:
     exp = getattr(engine, "_msrl_export", None)
     if exp is None:
         s = _SETTINGS
-        exp = engine._msrl_export = HFWeightExport(bucket_bytes=s.bucket_bytes, copy=s.copy)
+        exp = engine._msrl_export = HFWeightExport(
+            bucket_bytes=s.bucket_bytes, copy=s.copy, inplace=s.inplace
+        )
     return exp
 
 

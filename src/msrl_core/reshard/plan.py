@@ -25,7 +25,15 @@ from .spec import (
     vllm_targets,
 )
 
-__all__ = ["Bucket", "ReshardPlan", "StreamBucket", "megatron_to_vllm", "to_hf", "execute_numpy"]
+__all__ = [
+    "Bucket",
+    "ReshardPlan",
+    "StreamBucket",
+    "execute_numpy",
+    "megatron_to_vllm",
+    "rebase_onto_params",
+    "to_hf",
+]
 
 ALIGN = 64
 INFER_RANK_ATTR = (
@@ -63,12 +71,18 @@ class StreamBucket:
 
     ``tensors``: ``(name, byte offset, shape)``; ``zero``: ``(byte offset, nbytes)`` of tensors the copies do
     not cover completely (vLLM's zero vocab-padding rows), cleared before the copies since the scratch is
-    reused; ``nbytes``: the output bytes of this bucket."""
+    reused; ``nbytes``: the output bytes of this bucket; ``inplace``: ``(name, shape)`` of the tensors that
+    are yielded as views of this rank's own training parameters (no copy; see
+    :meth:`ReshardPlan.inplace_targets`); ``gathered``: ``(name, byte offset, shape)`` of tensors that are
+    one contiguous range of the bucket's last gathered bucket, yielded as views of the gather scratch.
+    Both are empty unless the schedule was built with ``inplace``."""
 
     gather: tuple[int, ...]
     tensors: tuple[tuple[str, int, tuple[int, ...]], ...]
     zero: tuple[tuple[int, int], ...]
     nbytes: int
+    inplace: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    gathered: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
 
 class ReshardPlan:
@@ -92,8 +106,10 @@ class ReshardPlan:
         self._targets: dict[int, list[Target]] = {}
         self._buckets: dict[int, list[Bucket]] = {}
         self._descs: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._native: dict[tuple[int, int, bool], list[Any]] = {}
-        self._stream: dict[tuple[int, int], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._native: dict[tuple[Any, ...], list[Any]] = {}
+        self._stream: dict[tuple[Any, ...], tuple[list[StreamBucket], list[np.ndarray]]] = {}
+        self._inplace: dict[tuple[int, int, int, int], dict[str, tuple[str, int]]] = {}
+        self._needed: dict[int, frozenset[int]] = {}
         self._hf_plan: ReshardPlan | None = None
         self._reverse: dict[tuple[int, int, int], list[Target]] = {}
         self._frozen = True
@@ -247,8 +263,104 @@ class ReshardPlan:
         self._descs[key] = out
         return out
 
+    def inplace_targets(
+        self, infer_rank: int = 0, stage: int = 0, tp_rank: int = 0, ep_rank: int = 0
+    ) -> dict[str, tuple[str, int]]:
+        """The inference tensors of ``infer_rank`` that the training rank ``(stage, tp_rank, ep_rank)`` holds
+        as one contiguous range of one of its own parameters, in order: ``{name: (stage-local parameter,
+        element offset)}``. Such a tensor needs no gather and no copy: a switch can hand out a view of the
+        parameter (training TP 1 dense weights, the local experts of an EP rank, replicated norms).
+
+        The rule reads the plan's pieces: every piece of the target comes from the same parameter on this
+        rank (its ``member`` in the source's group), takes all of the parameter's columns, and the pieces'
+        local rows follow each other in the target's row order."""
+        key = (infer_rank, stage, tp_rank, ep_rank)
+        if key in self._inplace:
+            return self._inplace[key]
+        me = {"tp": tp_rank, "ep": ep_rank}
+        out: dict[str, tuple[str, int]] = {}
+        for t in self.targets(infer_rank):
+            where = self._local_rows(t, stage, me)
+            if where is not None:
+                out[t.name] = where
+        self._inplace[key] = out
+        return out
+
+    def _local_rows(self, t: Target, stage: int, me: dict[str, int]) -> tuple[str, int] | None:
+        """``(param, element offset)`` where target ``t`` is one contiguous range of a local parameter."""
+        if not t.pieces:
+            return None
+        param, next_row, first, dst = None, None, 0, 0
+        for pc in sorted(t.pieces, key=lambda p: p.dst_row):
+            src = self.hf[pc.hf].src
+            lcols = src.local_shape[1]
+            if src.stage != stage or pc.dst_row != dst or pc.dst_col or pc.col0 or pc.ncols != lcols:
+                return None
+            if lcols != t.cols or (param is not None and src.param != param):
+                return None
+            if src.mode == "whole":
+                # replicated over the TP group: every member holds it; a whole expert: its EP owner only
+                if src.group == "ep" and src.member != me["ep"]:
+                    return None
+                r0 = pc.row0
+            elif src.mode == "cols":
+                if src.members != 1 or me[src.group] != 0:
+                    return None
+                r0 = pc.row0
+            else:
+                assert src.row_map is not None
+                member, lrow = src.row_map(np.arange(pc.row0, pc.row0 + pc.nrows, dtype=np.int64))
+                if (member != me[src.group]).any() or (np.diff(lrow) != 1).any():
+                    return None
+                r0 = int(lrow[0])
+            if next_row is None:
+                param, first = src.param, r0 * lcols
+            elif r0 != next_row:
+                return None
+            next_row, dst = r0 + pc.nrows, dst + pc.nrows
+        if dst != t.rows:
+            return None
+        assert param is not None
+        return param, first
+
+    def needed_buckets(self, bucket_bytes: int) -> frozenset[int]:
+        """The gather buckets some rank must still gather when every rank yields its
+        :meth:`inplace_targets` as views: a bucket is needed if, on any training rank and for any inference
+        rank, a tensor that is not in place there reads from it. The same set on every rank (a function of
+        the plan), so the ranks skip the same collectives. With PP > 1 every bucket that anyone reads is
+        needed (the other stages read it through the broadcast); otherwise a bucket stays a candidate for
+        skipping only while every tensor reading it is in place on each TP x EP rank checked so far (most
+        buckets fall out at the first rank, so the check stays near one pass over the targets)."""
+        if bucket_bytes in self._needed:
+            return self._needed[bucket_bytes]
+        tr = self.train
+        nb = len(self.buckets(bucket_bytes))
+        need: set[int] = set()
+        for r in range(self.infer.tp):
+            descs = self.bucket_descriptors(bucket_bytes, r)
+            layout, _ = self.infer_layout(r)
+            names = list(layout)
+            by_name = {t.name: t for t in self.targets(r)}
+            offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
+            readers = [
+                [names[i] for i in np.unique(np.searchsorted(offs, d[:, 1], side="right") - 1)] for d in descs
+            ]
+            if tr.pp > 1:  # every bucket someone reads, through the broadcast to the other stages
+                need.update(k for k in range(nb) if readers[k])
+                continue
+            cand = {k for k in range(nb) if k not in need and readers[k]}
+            for tp in range(tr.tp):
+                for ep in range(tr.ep):
+                    me = {"tp": tp, "ep": ep}
+                    for k in sorted(cand):
+                        if any(self._local_rows(by_name[n], 0, me) is None for n in readers[k]):
+                            need.add(k)
+                            cand.discard(k)
+        self._needed[bucket_bytes] = frozenset(need)
+        return self._needed[bucket_bytes]
+
     def stream_schedule(
-        self, bucket_bytes: int, infer_rank: int = 0
+        self, bucket_bytes: int, infer_rank: int = 0, inplace: frozenset[str] | None = None
     ) -> tuple[list[StreamBucket], list[np.ndarray]]:
         """Group the gather buckets into stream buckets that each yield whole inference tensors.
 
@@ -256,15 +368,31 @@ class ReshardPlan:
         tensors overlap form one indivisible run, and runs are packed greedily until a stream bucket holds
         ``bucket_bytes`` of output (a run larger than that is a stream bucket of its own). Returns the stream
         buckets and, per gather bucket, its copy descriptors re-based onto its stream bucket's output
-        scratch."""
-        key = (bucket_bytes, infer_rank)
+        scratch.
+
+        ``inplace`` (a set, possibly empty; ``None``: every tensor copied into the output scratch): names of
+        tensors the caller yields as views of its own parameters (a subset of :meth:`inplace_targets`):
+        they keep their place in the order and count toward a bucket's ``bucket_bytes``, but take no output
+        scratch and no copy descriptor. In this mode, too, a tensor that is one contiguous range of a
+        gathered bucket (exchanged, or broadcast over PP), that bucket ending its run, is yielded as a view
+        of the gather scratch (``StreamBucket.gathered``) and closes its stream bucket, so that no later
+        gather overwrites it before it is yielded."""
+        key = (bucket_bytes, infer_rank, None if inplace is None else frozenset(inplace))
         if key in self._stream:
             return self._stream[key]
+        views_mode = inplace is not None
+        inplace = frozenset(inplace or ())
         descs = self.bucket_descriptors(bucket_bytes, infer_rank)
         layout, _ = self.infer_layout(infer_rank)
+        unknown = set(inplace) - set(layout)
+        if unknown:
+            raise ReshardError(
+                f"stream_schedule: inplace names {sorted(unknown)[:3]} are not tensors of this plan"
+            )
         names = list(layout)
         offs = np.asarray([layout[n][0] for n in names], dtype=np.int64)
         sizes = np.asarray([int(np.prod(layout[n][1])) * self.itemsize for n in names], dtype=np.int64)
+        in_place = np.asarray([n in inplace for n in names], dtype=bool)
         nb = len(descs)
         first = np.full(len(names), nb, dtype=np.int64)
         last = np.full(len(names), -1, dtype=np.int64)
@@ -292,11 +420,29 @@ class ReshardPlan:
             k = end + 1
         # tensors no copy writes (all-padding vocab shards) go with the first run
         done_at = np.where(last >= 0, last, 0)
+        # views of the gather scratch: the whole tensor one contiguous range of one gathered bucket
+        scratch_at: dict[int, int] = {}  # tensor -> byte offset in its gathered bucket
+        if views_mode:
+            buckets = self.buckets(bucket_bytes)
+            ends = {e for _, e in runs}
+            for k, d in enumerate(descs):
+                b = buckets[k]
+                if k not in ends or not len(d) or (b.members == 1 and self.train.pp == 1):
+                    continue  # overwritten by the run's next gather, or not gathered (copied directly)
+                for i in np.unique(which[k]):
+                    if in_place[i] or first[i] != k or last[i] != k or covered[i] != sizes[i]:
+                        continue
+                    at = _contiguous_source(d[which[k] == i], int(offs[i]), int(sizes[i]))
+                    if at is not None:
+                        scratch_at[int(i)] = at
+        closes = {e for _, e in runs if any(done_at[i] == e for i in scratch_at)}
         groups: list[list[tuple[int, int]]] = []
         out_bytes: list[int] = []
         for r in runs:
             rb = int(sizes[(done_at >= r[0]) & (done_at <= r[1])].sum())
-            if groups and (out_bytes[-1] == 0 or (rb == 0 or out_bytes[-1] + rb <= bucket_bytes)):
+            closed = bool(groups) and groups[-1][-1][1] in closes
+            fits = bool(groups) and (out_bytes[-1] == 0 or rb == 0 or out_bytes[-1] + rb <= bucket_bytes)
+            if fits and not closed:
                 groups[-1].append(r)
                 out_bytes[-1] += rb
             else:
@@ -307,37 +453,87 @@ class ReshardPlan:
         for g in groups:
             lo, hi = g[0][0], g[-1][1]
             members = np.flatnonzero((done_at >= lo) & (done_at <= hi))
-            new_off, pos, tensors, zero = {}, 0, [], []
+            new_off, pos, tensors, zero, views, gathered = {}, 0, [], [], [], []
             for i in members:
+                if in_place[i]:
+                    views.append((names[i], tuple(layout[names[i]][1])))
+                    continue
+                if int(i) in scratch_at:
+                    gathered.append((names[i], scratch_at[int(i)], tuple(layout[names[i]][1])))
+                    continue
                 new_off[int(i)] = pos
                 tensors.append((names[i], pos, tuple(layout[names[i]][1])))
                 if covered[i] < sizes[i]:
                     zero.append((pos, int(sizes[i])))
                 pos = _align(pos + int(sizes[i]))
             for k in range(lo, hi + 1):
-                d = descs[k].copy()
+                keep = ~in_place[which[k]] & ~np.isin(which[k], list(scratch_at))
+                d = descs[k][keep].copy()
                 if len(d):
-                    shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k]], dtype=np.int64)
+                    shift = np.asarray([new_off[int(t)] - offs[t] for t in which[k][keep]], dtype=np.int64)
                     d[:, 1] += shift
                 rebased[k] = d
-            stream.append(StreamBucket(tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos))
+            stream.append(
+                StreamBucket(
+                    tuple(range(lo, hi + 1)), tuple(tensors), tuple(zero), pos, tuple(views), tuple(gathered)
+                )
+            )
         self._stream[key] = (stream, rebased)
         return self._stream[key]
 
-    def native_plans(self, bucket_bytes: int, infer_rank: int = 0, stream: bool = False) -> list[Any]:
+    def native_plans(
+        self,
+        bucket_bytes: int,
+        infer_rank: int = 0,
+        stream: bool = False,
+        inplace: frozenset[str] | None = None,
+    ) -> list[Any]:
         """Per gather bucket the native ``CopyPlan`` (None where the bucket writes nothing here): into the
-        flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch."""
-        key = (bucket_bytes, infer_rank, stream)
+        flat inference buffer, or with ``stream=True`` into the stream buckets' output scratch (of the
+        schedule built with ``inplace``)."""
+        key = (bucket_bytes, infer_rank, stream, None if inplace is None else frozenset(inplace))
         if key not in self._native:
             from msrl_core import CopyPlan
 
             descs = (
-                self.stream_schedule(bucket_bytes, infer_rank)[1]
+                self.stream_schedule(bucket_bytes, infer_rank, inplace)[1]
                 if stream
                 else self.bucket_descriptors(bucket_bytes, infer_rank)
             )
             self._native[key] = [CopyPlan(d) if len(d) else None for d in descs]
         return self._native[key]
+
+
+def _contiguous_source(d: np.ndarray, dst: int, nbytes: int) -> int | None:
+    """The source offset where descriptors ``d`` copy one contiguous source range onto the contiguous
+    destination ``[dst, dst + nbytes)`` in order, else ``None``."""
+    d = d[np.argsort(d[:, 1], kind="stable")]
+    src0, at = int(d[0, 0]), dst
+    for so, do, rows, rb, sp, dp in d.tolist():
+        if do != at or so != src0 + (at - dst) or (rows > 1 and (sp != rb or dp != rb)):
+            return None
+        at += rows * rb
+    return src0 if at == dst + nbytes else None
+
+
+def rebase_onto_params(b: Bucket, d: np.ndarray) -> dict[str, np.ndarray]:
+    """The copy descriptors ``d`` of gather bucket ``b`` (sources in this member's packed slot) re-based, per
+    training parameter, onto the parameter's own bytes: the copy then reads the parameter directly (no pack,
+    no scratch). The bucket's members must be 1 or the source the reading rank's own slot."""
+    out: dict[str, list[np.ndarray]] = {}
+    if not len(d):
+        return {}
+    starts = np.asarray([p[2] for p in b.params], dtype=np.int64)
+    which = np.searchsorted(starts, d[:, 0], side="right") - 1
+    for i in np.unique(which):
+        name, _shape, off, nb, r0, r1 = b.params[int(i)]
+        sel = d[which == i].copy()
+        # a descriptor never leaves its chunk: [off, off + nb) of the bucket = rows [r0, r1) of the param
+        end = sel[:, 0] + (sel[:, 2] - 1) * sel[:, 4] + sel[:, 3]
+        assert int(sel[:, 0].min()) >= off and int(end.max()) <= off + nb, (name, b.index)
+        sel[:, 0] += r0 * (nb // (r1 - r0)) - off
+        out.setdefault(name, []).append(sel)
+    return {n: np.concatenate(v) for n, v in out.items()}
 
 
 def _rows_descs(pc, member, lrow, lcols, ch, toff, tcols, es) -> np.ndarray:

@@ -19,7 +19,7 @@ from typing import Any
 from msrl_core.copy import current_stream  # noqa: F401  (the caller's stream for after=; used by the switch)
 
 from .errors import ReshardError, SwapStateError, SwitchAborted, SwitchTimeout
-from .plan import Bucket, ReshardPlan
+from .plan import Bucket, ReshardPlan, rebase_onto_params
 from .spec import canonical_megatron_name
 
 DEFAULT_TIMEOUT = 300.0
@@ -327,6 +327,13 @@ def _exchange(gathered, local_bytes: int, me: int, members: int, group, deadline
         ops.append(dist.P2POp(dist.isend, mine, dist.get_global_rank(group, to), group))
         slot = gathered[frm * local_bytes : (frm + 1) * local_bytes]
         ops.append(dist.P2POp(dist.irecv, slot, dist.get_global_rank(group, frm), group))
+    _run_p2p(ops, deadline)
+
+
+def _run_p2p(ops: list[Any], deadline: Deadline | None) -> None:
+    """Post a batch of point-to-point operations and wait for each within the deadline."""
+    import torch.distributed as dist
+
     works: list[Any] = []
 
     def start() -> Any:
@@ -430,6 +437,67 @@ class Gatherer:
         self.exchange_s += time.perf_counter() - t0
         return gathered, error
 
+    def exchange_params(
+        self, b: Bucket, scratch, own: bool, deadline: Deadline | None = None
+    ) -> tuple[Any, Exception | None]:
+        """Bucket ``b`` exchanged point to point over its group (PP 1) without a pack for the peers: every
+        peer receives this rank's row chunks straight from the parameters, one message per chunk, into its
+        slot for this rank. Every rank of the group calls this for the same buckets (the messages match
+        chunk by chunk). ``own``: this rank reads its own slot, so it is kept and packed locally; otherwise
+        the slots are compacted (member ``m`` > this rank at slot ``m - 1``) and this rank's is not
+        allocated: ``(members - 1) * local_bytes`` of scratch. Returns the gathered view and the local
+        error (the rank still takes its part in the exchange, sending whatever its buffer holds)."""
+        import torch
+        import torch.distributed as dist
+
+        prep, lb, members = self.prep, b.local_bytes, b.members
+        g = self.groups.get(b.group)
+        assert g is not None, f"bucket {b.index}: no {b.group} group for an exchange of {members} members"
+        me = group_rank(g)
+        gathered = scratch[: (members if own else members - 1) * lb]
+
+        def at(m: int) -> int:
+            return (m if own or m < me else m - 1) * lb
+
+        error: Exception | None = None
+        chunks: list[Any] | None = None
+        t0 = time.perf_counter()
+        try:
+            if self.fail is not None:
+                self.fail(b)
+            params = prep.params
+            chunks = [
+                params[name].detach().view(shape[0], -1)[r0:r1].reshape(-1).view(torch.uint8)
+                for name, shape, _, _, r0, r1 in b.params
+            ]
+            if own:
+                mine = gathered[me * lb : (me + 1) * lb]
+                dsts = [mine[off : off + nb] for _, _, off, nb, _, _ in b.params]
+                if self.engine is not None:
+                    self.engine.copy_many(dsts, chunks, after=self.after).wait(
+                        DEFAULT_TIMEOUT if deadline is None else deadline.left()
+                    )
+                else:
+                    torch._foreach_copy_(dsts, chunks)
+        except Exception as e:
+            error, chunks = e, None
+        t1 = time.perf_counter()
+        self.pack_s += t1 - t0
+        ops = []
+        for k in range(1, members):  # staggered order so every pair posts matching operations
+            to, frm = (me + k) % members, (me - k) % members
+            for i, (_, _, off, nb, _, _) in enumerate(b.params):
+                # after a local failure: a buffer of the right size (the ranks' agreement then aborts)
+                src = chunks[i] if chunks is not None else gathered[at(frm) + off : at(frm) + off + nb]
+                ops.append(dist.P2POp(dist.isend, src, dist.get_global_rank(g, to), g))
+            for _, _, off, nb, _, _ in b.params:
+                slot = gathered[at(frm) + off : at(frm) + off + nb]
+                ops.append(dist.P2POp(dist.irecv, slot, dist.get_global_rank(g, frm), g))
+        _run_p2p(ops, deadline)
+        self.received += (members - 1) * lb
+        self.exchange_s += time.perf_counter() - t1
+        return gathered, error
+
 
 def nothing_to_gather(plan: ReshardPlan) -> bool:
     """Training TP, EP and PP are all 1: every bucket is this rank's own shards, nothing crosses ranks."""
@@ -447,17 +515,7 @@ def direct_descriptors(plan: ReshardPlan, bucket_bytes: int, infer_rank: int) ->
         raise ReshardError(f"direct copies need training TP, EP and PP 1; the plan trains with {plan.train}")
     out: dict[str, list[Any]] = {}
     for b, d in zip(plan.buckets(bucket_bytes), plan.bucket_descriptors(bucket_bytes, infer_rank)):
-        if not len(d):
-            continue
-        starts = np.asarray([p[2] for p in b.params], dtype=np.int64)
-        which = np.searchsorted(starts, d[:, 0], side="right") - 1
-        for i in np.unique(which):
-            name, shape, off, nb, r0, r1 = b.params[int(i)]
-            sel = d[which == i].copy()
-            # a descriptor never leaves its chunk: [off, off + nb) of the bucket = rows [r0, r1) of the param
-            end = sel[:, 0] + (sel[:, 2] - 1) * sel[:, 4] + sel[:, 3]
-            assert int(sel[:, 0].min()) >= off and int(end.max()) <= off + nb, (name, b.index)
-            sel[:, 0] += r0 * (nb // (r1 - r0)) - off
+        for name, sel in rebase_onto_params(b, d).items():
             out.setdefault(name, []).append(sel)
     return {n: np.concatenate(v) for n, v in out.items()}
 
