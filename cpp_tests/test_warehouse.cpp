@@ -210,6 +210,35 @@ TEST(Warehouse, ExternalArenaIsUsedAndLocateGivesOffsets) {
   EXPECT_EQ(code_of([&] { Warehouse bad(0, 0, 4, {tok, r}, {mem_tok.data()}); }), Code::kInvalidArgument);
 }
 
+TEST(Warehouse, ExternalArenaResizedKeepsItsBytesAndRefusesBelowTheBytesInUse) {
+  ColumnSpec tok{"tok", DType::kInt32, true, {}, 16, "", true, true};
+  ColumnSpec r{"r", DType::kFloat32, false, {}, 0, "", false, true};
+  std::vector<uint8_t> small(16), r_mem(4 * 4);
+  Warehouse w(0, 0, 4, {tok, r}, {small.data(), r_mem.data()});
+  std::vector<int64_t> rows = {0, 1};
+  std::vector<int64_t> lens = {1, 2};
+  std::vector<int32_t> v = {7, 8, 9};
+  w.put(0, rows.data(), 2, v.data(), lens.data());
+  int64_t row2 = 2, four = 4;
+  std::vector<int32_t> big_row = {1, 2, 3, 4};
+  EXPECT_EQ(code_of([&] { w.put(0, &row2, 1, big_row.data(), &four); }), Code::kOutOfMemory);
+  std::vector<uint8_t> big(64);
+  std::memcpy(big.data(), small.data(), small.size());  // the caller's grown memory: same bytes, same offsets
+  EXPECT_EQ(code_of([&] { w.resize_external(0, big.data(), 8); }), Code::kInvalidArgument);  // 12 in use
+  EXPECT_EQ(code_of([&] { w.resize_external(1, r_mem.data(), 32); }), Code::kInvalidArgument);  // fixed column
+  EXPECT_EQ(w.arena_capacity(0), 16);
+  w.resize_external(0, big.data(), 64);
+  EXPECT_EQ(w.arena_capacity(0), 64);
+  w.put(0, &row2, 1, big_row.data(), &four);
+  std::vector<int32_t> out(7);
+  std::vector<int64_t> all = {0, 1, 2};
+  w.gather(0, all.data(), 3, out.data(), out.size() * 4);
+  EXPECT_EQ(out, (std::vector<int32_t>{7, 8, 9, 1, 2, 3, 4}));
+  w.reset();
+  w.resize_external(0, small.data(), 16);  // empty again: back to the configured arena
+  EXPECT_EQ(w.arena_capacity(0), 16);
+}
+
 TEST(Warehouse, ResetRefusedWhileAPutIsInFlight) {
   Warehouse w(0, 0, 2, two_columns());
   std::vector<int64_t> rows = {0};

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from dock_util import init_local_ray
+from dock_util import init_local_ray, keyed_dock_args
 from msrl_core import Column, Dock
 from msrl_core.errors import InvalidArgument, NotFound, OutOfMemory
 
@@ -47,13 +47,7 @@ def new_dock(**kw) -> Dock:
 
 
 def make_dock(**kw) -> Dock:
-    args = dict(
-        columns={"prompts": Column("int64", ragged=True, max_len=4)},
-        stages={"reward": ["prompts", "responses"], "update": ["prompts", "rewards"]},
-        capacity=8,
-    )
-    args.update(kw)
-    return new_dock(**args)
+    return new_dock(**keyed_dock_args(**kw))
 
 
 def observable(dock: Dock, partition: str) -> tuple:
@@ -189,6 +183,22 @@ def test_clear_makes_claims_stale_and_partitions_stay_apart():
     assert dock.partitions() == ["b"]
 
 
+def test_fetch_with_a_claim_from_before_a_clear_is_refused_even_when_its_rows_are_reused():
+    dock = make_dock()
+    old = {"prompts": [np.array([1, 1]), np.array([2])], "rewards": np.array([1.0, 2.0], np.float32)}
+    dock.put(old, partition="a", keys=["x", "y"])
+    claim = dock.claim("update", 8, partition="a")
+    assert dock.fetch(claim)["rewards"].tolist() == [1.0, 2.0]
+    dock.clear("a")
+    new = {"prompts": [np.array([7]), np.array([8, 8, 8])], "rewards": np.array([7.0, 8.0], np.float32)}
+    rows = dock.put(new, partition="a", keys=["x2", "y2"])
+    assert sorted(rows.tolist()) == sorted(claim.rows.tolist())  # the cleared rows hold new data now
+    for copy in (True, False):
+        with pytest.raises(InvalidArgument, match="stale claim.*partition 'a'.*cleared or reset"):
+            dock.fetch(claim, copy=copy)
+    assert dock.get(["x2", "y2"], ["rewards"], partition="a")["rewards"].tolist() == [7.0, 8.0]
+
+
 def test_tags_upsert_with_and_without_data_and_list():
     dock = make_dock()
     dock.tag(["k1", "k2"], [{"status": "running"}, {"status": "new", "len": 3}], partition="train")
@@ -300,3 +310,66 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     assert a["rewards"].tolist() == [0.5] and a["msg"] == [{"b": 1}] and a["prompts"].values.tolist() == [0]
     with pytest.raises(InvalidArgument, match="holds keys"):
         other.load("q", tmp_path / "ck")
+
+
+# ---- growth: ragged arenas grow instead of failing mid-step, and give memory back (both backends: Ray's
+# shared-memory arenas are extended and cut back by the warehouse actors) ----
+
+
+def arena_file_bytes(dock: Dock, column: str) -> int | None:
+    """Ray: bytes of the column's shared-memory files in the warehouse actors (what the OS holds for
+    them, measured there with fstat); local: None."""
+    if _BACKEND["name"] != "ray":
+        return None
+    import os
+
+    import ray
+
+    cid = dock._column_ids[column]
+    calls = [
+        h.__ray_call__.remote(lambda self: os.fstat(self.fds[cid]).st_size) for h in dock._backend.warehouses
+    ]
+    return sum(ray.get(calls, timeout=60))
+
+
+def test_erase_frees_rows_and_bytes_for_reuse():
+    dock = make_dock(capacity=4)
+    dock.put({"prompts": [np.arange(100)] * 4}, partition="p", keys=list(range(4)))
+    with pytest.raises(OutOfMemory):
+        dock.put({"prompts": [np.arange(1)]}, partition="p", keys=["more"])
+    grown = sum(w["arena_bytes"] for w in dock.column_stats("prompts"))
+    assert grown >= 400 * 8  # the 4 x max_len arena grew to hold 100-item rows
+    assert arena_file_bytes(dock, "prompts") in (None, grown)
+    dock.erase([0, 1, 2, 3], partition="p")
+    assert dock.stats()["allocated_rows"] == 0 and dock.keys(partition="p") == []
+    stats = dock.column_stats("prompts")
+    assert sum(w["bytes_used"] for w in stats) == 0
+    assert sum(w["arena_bytes"] for w in stats) == 4 * 4 * 8  # back to the configured arena
+    assert arena_file_bytes(dock, "prompts") in (None, 4 * 4 * 8)  # Ray: the files were cut back
+    rows = dock.put({"prompts": [np.arange(3)] * 4}, partition="p", keys=list("abcd"))
+    assert sorted(rows.tolist()) == [0, 1, 2, 3]
+    assert dock.get(["c"], ["prompts"], partition="p")["prompts"].values.tolist() == [0, 1, 2]
+
+
+def test_growth_completes_a_step_four_times_max_len_and_reset_gives_memory_back():
+    dock = new_dock(
+        columns={"responses": Column("int64", ragged=True, max_len=16)},
+        stages={"s": ["responses"]},
+        capacity=32,
+    )
+    base = sum(w["arena_bytes"] for w in dock.column_stats("responses"))
+    first = dock.put({"responses": [np.arange(16)] * 16})
+    before = dock.fetch(first, ["responses"], copy=False)  # views (Ray: of one warehouse) from before
+    rows = dock.put({"responses": [np.arange(64)] * 16})  # 4x max_len per row: the arenas grow
+    got = dock.fetch(rows, ["responses"])["responses"]
+    assert all(r.tolist() == list(range(64)) for r in got)
+    assert all(r.tolist() == list(range(16)) for r in before["responses"])  # still valid after growth
+    stats = dock.column_stats("responses")
+    held = 16 * 16 * 8 + 16 * 64 * 8  # both puts' bytes, the second 4x what max_len provisions
+    grown = sum(w["arena_bytes"] for w in stats)
+    assert sum(w["bytes_used"] for w in stats) == held and grown >= held > base
+    assert arena_file_bytes(dock, "responses") in (None, grown)
+    del before
+    dock.reset()
+    assert sum(w["arena_bytes"] for w in dock.column_stats("responses")) == base
+    assert arena_file_bytes(dock, "responses") in (None, base)

@@ -139,3 +139,25 @@ def test_dp_dispatch_two_replicas_two_tp_ranks_four_processes():
         assert len(seen) == len(lens)
     finally:
         dock.shutdown()
+
+
+def test_a_partition_dropped_by_another_handle_is_looked_up_again_by_tags_and_list():
+    """Handles cache partition ids; after another handle drops and re-creates a partition the stale id is
+    refused once (NotFound "was dropped") and forgotten — also on tags/list/tag, which before used Ray
+    calls that kept the stale id forever."""
+    import pickle
+
+    from msrl_core.errors import NotFound
+
+    dock = Dock(columns={"x": Column("int64")}, stages={"s": ["x"]}, capacity=8, warehouses=1, backend="ray")
+    other = pickle.loads(pickle.dumps(dock))  # a second client, with its own cache
+    dock.put({"x": np.arange(1)}, partition="p", keys=["a"])
+    assert other.tags(partition="p") == {"a": {}}
+    dock.drop_partition("p")
+    dock.put({"x": np.arange(1)}, partition="p", keys=["b"], tags={"s": 1})
+    with pytest.raises(NotFound, match="was dropped"):
+        other.tags(partition="p")
+    assert other.tags(partition="p") == {"b": {"s": 1}}
+    other.tag(["b"], {"t": 2}, partition="p")
+    assert dock.tags(partition="p") == {"b": {"s": 1, "t": 2}} and other.partitions() == ["p"]
+    dock.shutdown()

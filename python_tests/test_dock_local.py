@@ -137,6 +137,35 @@ def test_numpy_dtypes_and_packed_offsets_input():
     assert b["v"].offsets.tolist() == [0, 3, 5]
 
 
+def test_ragged_rows_pack_natively_and_odd_rows_take_the_checked_path():
+    """A list of C-contiguous rows of the column's dtype is packed by one native call; anything else
+    (strided rows, lists, other dtypes, wrong inner shapes) goes through the per-row checks."""
+    from msrl_core import _core
+
+    rows = [np.arange(3, dtype=np.float32).reshape(3, 1) * k for k in range(4)] + [
+        np.zeros((0, 1), np.float32)
+    ]
+    values, lengths = _core.dock_pack_rows(rows, np.dtype("float32"), [1])
+    assert values.shape == (12, 1) and lengths.tolist() == [3, 3, 3, 3, 0]
+    assert np.array_equal(values, np.concatenate(rows))
+    strided = np.arange(8, dtype=np.float32).reshape(4, 2)[:, :1]
+    for odd in ([strided], [np.zeros((2, 1), np.float64)], [np.zeros((2, 2), np.float32)], [[1.0]], []):
+        assert _core.dock_pack_rows(odd, np.dtype("float32"), [1]) is None
+    dock = Dock(columns={"r": Column("float32", ragged=True, max_len=4, shape=(1,))}, capacity=8)
+    got = dock.fetch(dock.put({"r": [strided, rows[1], [[5.0]], rows[4]]}), ["r"])["r"]
+    assert got.values.ravel().tolist() == [0, 2, 4, 6, 0, 1, 2, 5] and np.diff(got.offsets).tolist() == [
+        4,
+        3,
+        1,
+        0,
+    ]
+    with pytest.raises(InvalidArgument, match="column 'r': expected dtype float32, got numpy float64"):
+        dock.put({"r": [rows[1], np.zeros((1, 1))]})
+    with pytest.raises(InvalidArgument, match=r"column 'r': rows must have shape \(len, \*\(1,\)\)"):
+        dock.put({"r": [rows[1], np.zeros((1, 2), np.float32)]})
+    assert dock.stats()["allocated_rows"] == 4  # the refused puts took no rows
+
+
 def test_fixed_scalar_column_accepts_python_lists():
     dock = Dock(columns={"r": Column("float32")}, stages={"s": ["r"]}, capacity=3)
     dock.put({"r": [1.0, 2.5, -1.0]})

@@ -687,3 +687,27 @@ def test_a_commit_that_fails_part_way_leaves_nothing_in_flight():
     got = dock.fetch(rows, ["prompts"])["prompts"]
     assert list(got.lengths) == [3] * 64
     dock.shutdown()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["socket", "actor-calls"])
+def test_arenas_grow_on_both_data_paths_and_a_bound_stays_a_bound(fast_path):
+    """Rows 8x max_len: same node the client copies into the grown shared file (mapped again), through
+    actor calls the warehouse stores them itself; a column with max_bytes keeps refusing, nothing stored."""
+    dock = make_dock(
+        fast_path,
+        columns={
+            "prompts": Column("int64", ragged=True, max_len=2),
+            "capped": Column("int64", ragged=True, max_bytes=64),
+        },
+        stages={"gen": ["prompts"]},
+        capacity=16,
+    )
+    src = [np.arange(16) * k for k in range(16)]
+    rows = dock.put({"prompts": src})
+    got = dock.fetch(rows, ["prompts"])["prompts"]
+    assert [got[k].tolist() for k in range(16)] == [s.tolist() for s in src]
+    assert sum(w["arena_bytes"] for w in dock.column_stats("prompts")) >= 16 * 16 * 8
+    with pytest.raises(OutOfMemory, match="capped"):
+        dock.put({"capped": [np.arange(9)] * 4}, rows=rows[:4])
+    assert sum(w["bytes_used"] for w in dock.column_stats("capped")) == 0
+    dock.shutdown()

@@ -12,6 +12,7 @@ void bind_runtime(py::module_& m);
 void bind_memory(py::module_& m);
 void bind_copy(py::module_& m);
 void bind_dock(py::module_& m);
+void bind_wire(py::module_& m);  // the dock's same-node wire encoding
 
 // Argument checks shared by the binding files: clear InvalidArgument instead of pybind's TypeError.
 uint64_t checked_size(int64_t value, const char* what);

@@ -251,6 +251,7 @@ void bind_dock_keys(py::class_<dock::DockCore>& core) {
           py::arg("name"), py::arg("create") = true, "The id of a partition ('' = the default one).")
       .def("partition_names", &DockCore::partition_names)
       .def("partition_epoch", &DockCore::partition_epoch)
+      .def("check_claim_epoch", &DockCore::check_claim_epoch, py::arg("p"), py::arg("epoch"))
       .def_property_readonly("num_columns", &DockCore::num_columns)
       .def(
           "declare_column", [](DockCore& d, const ColumnTuple& col) { return d.declare_column(parse_column(col)); },
@@ -750,6 +751,14 @@ void bind_dock(py::module_& m) {
           },
           py::arg("id"), py::arg("column"), py::arg("external") = 0)
       .def("declared", &dock::Warehouse::declared, py::arg("column"))
+      .def(
+          "resize_external",
+          [](dock::Warehouse& w, int column, uintptr_t base, int64_t capacity) {
+            w.resize_external(column, reinterpret_cast<uint8_t*>(base), capacity);
+          },
+          py::arg("column"), py::arg("base"), py::arg("capacity"),
+          "A ragged column's caller-provided arena, grown or shrunk: the same bytes at the same offsets, now "
+          "at base with capacity bytes (the old memory must stay mapped for readers in flight).")
       .def(
           "column_stats", [](const dock::Warehouse& w, int column) { return stats_dict(w.column_stats(column)); },
           py::arg("column"))

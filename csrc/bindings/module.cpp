@@ -8,4 +8,5 @@ PYBIND11_MODULE(_core, m) {
   msrl::bindings::bind_memory(m);
   msrl::bindings::bind_copy(m);
   msrl::bindings::bind_dock(m);
+  msrl::bindings::bind_wire(m);
 }

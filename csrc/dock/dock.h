@@ -128,6 +128,10 @@ class DockCore {
   int partition(const std::string& name, bool create);
   std::vector<std::string> partition_names() const;  // live named partitions
   uint64_t partition_epoch(int p) const;
+  // A read of a claim's rows is still valid: InvalidArgument ("stale claim", naming the partition) when the
+  // partition was cleared or the dock reset since the claim (epoch: the claim's). Checked after the bytes
+  // are copied, so a clear that reused the rows meanwhile is caught too.
+  void check_claim_epoch(int p, int64_t epoch) const { check_epoch(epoch, p); }
   // Begins a put of `columns` into the rows of `keys` (new keys get rows, as whole groups in key order):
   // validated first (a key twice, an existing key's written cell without overwrite, a key being put or
   // erased by another call, new keys not whole groups, the dock full) with nothing changed on error.

@@ -134,6 +134,21 @@ void Warehouse::set_column(int column, const ColumnSpec& spec, uint8_t* external
   columns_[column] = spec;
 }
 
+void Warehouse::resize_external(int column, uint8_t* base, int64_t capacity) {
+  (void)arena(column);
+  std::lock_guard<std::mutex> lock(mu_);
+  Arena& a = arenas_[column];
+  const ColumnSpec& spec = columns_[column];
+  MSRL_CHECK(a.external && spec.ragged && a.chunks.size() == 1, kInvalidArgument, "column '", spec.name,
+             "': only a caller-provided ragged arena can be resized");
+  Chunk& c = a.chunks[0];
+  MSRL_CHECK(base != nullptr && capacity >= c.top && capacity >= 1, kInvalidArgument, "column '", spec.name,
+             "': cannot resize its arena to ", capacity, " bytes at ", static_cast<const void*>(base), " (", c.top,
+             " bytes in use)");
+  c.base = base;
+  c.capacity = capacity;
+}
+
 int Warehouse::column_index(const std::string& name) const {
   const int n = num_columns();
   for (int c = 0; c < n; ++c)

@@ -105,6 +105,12 @@ class Warehouse {
   // Gives an undeclared column (a placeholder nothing was written to) its type.
   void set_column(int column, const ColumnSpec& spec, uint8_t* external = nullptr);
   bool declared(int column) const;
+  // Moves a ragged column's caller-provided arena to caller memory of `capacity` bytes holding the same
+  // bytes at the same offsets (the same shared-memory file mapped again after the caller grew or shrank
+  // it): puts may use all of it. Refuses (nothing changed) a fixed or owned arena, or a capacity below
+  // the bytes in use (the span up to the bump pointer). Readers that copy from the old address without
+  // the lock rely on the caller keeping the old memory mapped.
+  void resize_external(int column, uint8_t* base, int64_t capacity);
 
   // Validates and reserves space; throws (state unchanged) on a row out of range, a row already
   // written (unless overwrite: its old bytes stay readable until commit), a negative length or an arena

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
+from msrl_core.dock._backend import ClaimDP, ClaimIn
 from msrl_core.dock._types import _STORAGE
 from msrl_core.dock._wire import Server
-from msrl_core.errors import InvalidArgument, MsrlError, Timeout, Unavailable
+from msrl_core.errors import InvalidArgument, MsrlError, OutOfMemory, Timeout, Unavailable
 
 try:
     import ray
@@ -296,20 +297,11 @@ class ControllerState:
         self._erase(self.core.begin_clear(p))
         self.core.drop_partition(p)
 
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        return self.core.claim_in(p, stage, max_rows, min_rows, timeout, max_items, min_version)
+    def claim_in(self, *req: Any) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_in(*ClaimIn(*req))  # the fields of a ClaimIn, as the wire carries them
 
-    def claim_dp(self, *args: Any) -> tuple[np.ndarray, int, int]:
-        return self.core.claim_dp(*args)
+    def claim_dp(self, *req: Any) -> tuple[np.ndarray, int, int]:
+        return self.core.claim_dp(*ClaimDP(*req))
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self.core.release_in(p, stage, rows, epoch, claim_id)
@@ -319,6 +311,9 @@ class ControllerState:
 
     def progress_in(self, p: int, stage: int) -> dict:
         return self.core.progress(stage, p)
+
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self.core.check_claim_epoch(p, epoch)
 
     def serve(self) -> Server:
         """Starts the same-node fast path."""
@@ -342,6 +337,10 @@ class ControllerState:
             "claim_dp": self.claim_dp,
             "release_in": self.release_in,
             "complete_in": self.complete_in,
+            "check_claim_epoch": self.check_claim_epoch,
+            "partition_names": self.partition_names,
+            "list_keys": self.list_keys,
+            "tag": self.tag,
         }
         return Server(ops, "ctl", **wire_options())
 
@@ -370,10 +369,19 @@ def _arena_sizes(columns: list[tuple], num_rows: int) -> list[int]:
     return sizes
 
 
+_MAX_ARENA_BYTES = 1 << 40  # one shared arena's bound (the native kMaxChunkBytes)
+
+
 class WarehouseActor:
     """Holds a native Warehouse. With shared memory (Linux), its arenas are memfd mappings that
     same-node clients map too: puts copy straight into the arena (reserve -> copy -> commit) and fetches
-    copy straight out of it (locate -> copy -> unlease), with no Ray object-store copies."""
+    copy straight out of it (locate -> copy -> unlease), with no Ray object-store copies.
+
+    A ragged column without max_bytes grows instead of failing a put: its memfd is extended (ftruncate;
+    the bytes keep their offsets, so views and readers in flight stay valid), mapped again here and handed
+    to the native warehouse (resize_external); clients map it again when an offset lies past their
+    mapping. When the column is empty again (erase, reset) the file is cut back to the configured size,
+    so its memory comes back."""
 
     def __init__(self, wid: int, row_begin: int, num_rows: int, columns: list[tuple], shared: bool = True):
         self.wid = wid
@@ -390,6 +398,13 @@ class WarehouseActor:
         self.num_rows = num_rows
         self.fds: dict[int, int] = {}  # column id -> memfd of its shared arena (declared columns only)
         self.maps: dict[int, Any] = {}
+        self.sizes: dict[int, int] = {}  # column id -> bytes of its memfd now
+        self.base_sizes: dict[int, int] = {}  # column id -> configured bytes (it shrinks back to them)
+        self.growable: set[int] = set()  # ragged columns without max_bytes
+        self.item_bytes: dict[int, int] = {}
+        self.old_maps: list[Any] = []  # mappings replaced by a growth: readers in flight may still use them
+        for c, col in enumerate(columns):
+            self._describe(c, col)
         external: list[int] = []
         self.shared = shared and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
         if self.shared:
@@ -426,6 +441,15 @@ class WarehouseActor:
 
     # -- same-node data path (served on the Unix socket) --
 
+    def _describe(self, c: int, column: tuple) -> None:
+        _name, dtype, ragged, shape, _arena, growable, *_rest = column
+        self.item_bytes[c] = _STORAGE[dtype].itemsize * int(np.prod(shape, dtype=np.int64))
+        self.base_sizes[c] = _arena_sizes([column], self.num_rows)[0]
+        if ragged and growable:
+            self.growable.add(c)
+        else:
+            self.growable.discard(c)
+
     def _new_arena(self, c: int, size: int) -> int:
         """A shared (memfd) arena for column c; its address."""
         import mmap
@@ -435,13 +459,56 @@ class WarehouseActor:
         mm = mmap.mmap(fd, max(size, 1))  # MAP_SHARED; pages are touched only when written
         self.fds[c] = fd
         self.maps[c] = mm
+        self.sizes[c] = max(size, 1)
         return np.frombuffer(mm, dtype=np.uint8).ctypes.data
+
+    def _resize(self, c: int, size: int) -> None:
+        """Column c's memfd to `size` bytes (lock held): grown, it is mapped again (the old mapping stays
+        for readers in flight); shrunk (only when empty), the file is cut (its pages are freed)."""
+        import mmap
+
+        if size > len(self.maps[c]):
+            os.ftruncate(self.fds[c], size)
+            mm = mmap.mmap(self.fds[c], size)
+            self.wh.resize_external(c, np.frombuffer(mm, dtype=np.uint8).ctypes.data, size)
+            self.old_maps.append(self.maps[c])
+            self.maps[c] = mm
+        else:
+            self.wh.resize_external(c, np.frombuffer(self.maps[c], dtype=np.uint8).ctypes.data, size)
+            os.ftruncate(self.fds[c], size)
+        self.sizes[c] = size
+
+    def _growing(self, store: Any, needs: list[tuple[int, Any]]) -> Any:
+        """store() (a reserve or a put, lock held), and once more after growing the shared arenas of the
+        growable columns it writes when it did not fit. needs: (column id, lengths or None)."""
+        try:
+            return store()
+        except OutOfMemory:
+            # Items in Python ints: a peer's absurd lengths must not wrap around to a small size.
+            grow = [(c, sum(map(int, lens))) for c, lens in needs if c in self.growable and lens is not None]
+            if not self.shared or not grow:
+                raise
+            sizes = [(c, max(2 * self.sizes[c], self.sizes[c] + n * self.item_bytes[c])) for c, n in grow]
+            if any(size > _MAX_ARENA_BYTES for _, size in sizes):
+                raise  # more than any arena may hold: the native error says so
+            for c, size in sizes:
+                self._resize(c, size)
+        return store()
+
+    def _shrink_empty(self) -> None:
+        """Grown arenas of columns left empty go back to their configured size (lock held)."""
+        for c in sorted(self.growable):
+            base = max(self.base_sizes[c], 1)
+            if c in self.fds and self.sizes[c] > base and self.wh.column_stats(c)["bytes_used"] == 0:
+                self._resize(c, base)
+        if self.old_maps and not (self.leases or self.pins or self.writing or self.pending):
+            self.old_maps.clear()  # no reader or writer can hold an address in them any more
 
     def arena_fds(self) -> tuple[list[list[int]], list[int]]:
         """([column ids, arena sizes], fds) of the declared columns' shared arenas."""
         with self.lock:
             cids = sorted(self.fds)
-            return [cids, [len(self.maps[c]) for c in cids]], [self.fds[c] for c in cids]
+            return [cids, [self.sizes[c] for c in cids]], [self.fds[c] for c in cids]
 
     def declare_column(self, cid: int, column: tuple) -> None:
         """A run-time column (id from the controller): placeholders keep the ids aligned when declarations
@@ -452,6 +519,7 @@ class WarehouseActor:
                 self.wh.add_column((f"#{n}", "uint8", False, [], 0, False, "uint8"), 0, False)
             if cid < self.wh.num_columns and self.wh.declared(cid):
                 return
+            self._describe(cid, column)
             ext = self._new_arena(cid, _arena_sizes([column], self.num_rows)[0]) if self.shared else 0
             if cid < self.wh.num_columns:
                 self.wh.set_column(cid, column, ext)
@@ -489,6 +557,7 @@ class WarehouseActor:
         try:
             cids = [c for c in range(self.wh.num_columns) if self.wh.declared(c)]
             self.wh.erase(cids, rows)
+            self._shrink_empty()
         finally:
             self.lock.release()
 
@@ -498,7 +567,7 @@ class WarehouseActor:
     def reserve(self, cols: list[tuple], rows: np.ndarray, epoch: int) -> tuple[int, list[tuple]]:
         with self.lock:
             self._check_epoch(epoch)
-            res = self.wh.reserve(cols, rows)
+            res = self._growing(lambda: self.wh.reserve(cols, rows), cols)
             self.next_id += 1
             self.pending[self.next_id] = res
             return self.next_id, [(r.dst_offsets, r.nbytes) for r in res]
@@ -550,7 +619,7 @@ class WarehouseActor:
             self._exclusive("overwrite", 60.0)
             try:
                 self._check_epoch(epoch)
-                self.wh.put(inputs, rows, True)
+                self._growing(lambda: self.wh.put(inputs, rows, True), [(c, ln) for c, _, ln in inputs])
             finally:
                 self.lock.release()
             return len(rows)
@@ -561,7 +630,11 @@ class WarehouseActor:
             self.writing.add(wid)
         stored = False
         try:
-            self.wh.put(inputs, rows)
+            try:
+                self.wh.put(inputs, rows)
+            except OutOfMemory:  # grown under the lock (no reservation moves meanwhile), then stored
+                with self.lock:
+                    self._growing(lambda: self.wh.put(inputs, rows), [(c, ln) for c, _, ln in inputs])
             stored = True
         finally:
             with self.lock:
@@ -586,6 +659,7 @@ class WarehouseActor:
             if epoch >= 0 and epoch != self.epoch:
                 return
             self.wh.erase(columns, rows)
+            self._shrink_empty()
 
     def fetch(self, specs: list[tuple], rows: np.ndarray, epoch: int = -1) -> list[tuple]:
         """Packed copies of the rows for each (column id, storage dtype, inner shape, ragged), under a
@@ -659,6 +733,7 @@ class WarehouseActor:
                     f"{timeout:g} s; nothing was reset"
                 )
             self.wh.reset(None if keep_rows is None or not len(keep_rows) else keep_rows)
+            self._shrink_empty()
             self.epoch = epoch
             self.frozen = False
 

@@ -9,11 +9,40 @@ come from a Claim (``-1`` / ``0`` for plain row ids: unchecked).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from msrl_core.dock._types import Column
+
+
+class ClaimIn(NamedTuple):
+    """A claim in a partition: the native ``DockCore.claim_in`` arguments, in their order (every backend
+    and the controller actor pass it on as is)."""
+
+    p: int
+    stage: int
+    max_rows: int
+    min_rows: int
+    timeout: float
+    max_items: int
+    min_version: int
+
+
+class ClaimDP(NamedTuple):
+    """A DP-aware claim (round ``round``, replica ``dp_rank`` of ``dp_size``, ``ranks`` ranks each): the
+    native ``DockCore.claim_dp`` arguments, in their order."""
+
+    p: int
+    stage: int
+    round: str
+    dp_rank: int
+    dp_size: int
+    ranks: int
+    max_rows: int
+    min_rows: int
+    timeout: float
+    min_version: int
 
 
 class Backend(Protocol):
@@ -70,29 +99,8 @@ class Backend(Protocol):
     def erase_rows(self, p: int, rows: np.ndarray) -> None: ...
     def clear(self, p: int) -> None: ...
     def drop_partition(self, p: int) -> None: ...
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]: ...
-    def claim_dp(
-        self,
-        p: int,
-        stage: int,
-        rnd: str,
-        dp_rank: int,
-        dp_size: int,
-        ranks: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]: ...
+    def claim_in(self, req: ClaimIn) -> tuple[np.ndarray, int, int]: ...
+    def claim_dp(self, req: ClaimDP) -> tuple[np.ndarray, int, int]: ...
     def release_in(
         self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0
     ) -> None: ...
@@ -100,6 +108,7 @@ class Backend(Protocol):
         self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0
     ) -> None: ...
     def progress_in(self, p: int, stage: int) -> dict: ...
+    def check_claim_epoch(self, p: int, epoch: int) -> None: ...
     def column_stats(self, cid: int) -> list[dict]: ...
     def close(self) -> None: ...
     def shutdown(self) -> None: ...

@@ -25,6 +25,7 @@ import numpy as np
 
 from msrl_core import _core
 from msrl_core.dock._actors import ControllerActor, WarehouseActor, ray_get
+from msrl_core.dock._backend import ClaimDP, ClaimIn
 from msrl_core.dock._local import column_tuples
 from msrl_core.dock._types import Column
 from msrl_core.dock._wire import Connection
@@ -272,16 +273,25 @@ class RayBackend:
         """True when every warehouse is near (see _near)."""
         return all(self._near(w) for w in range(self.num_warehouses))
 
-    def _arenas(self, w: int, need: Any = ()) -> dict[int, np.ndarray]:
+    def _arenas(self, w: int, need: Any = (), ends: Any = ()) -> dict[int, np.ndarray]:
         """Column id -> this process's mapping of warehouse w's shared arena; mapped again when a column
-        in `need` (declared at run time since) is missing."""
+        in `need` (declared at run time since) is missing, or shorter than its byte in `ends` (the column's
+        arena grew since: its file is longer now)."""
+
+        def stale(maps: dict[int, np.ndarray] | None) -> bool:
+            return (
+                maps is None
+                or any(c not in maps for c in need)
+                or any(len(maps[c]) < int(end) for c, end in zip(need, ends) if c in maps)
+            )
+
         maps = self._arena_maps.get(w)
-        if maps is None or any(c not in maps for c in need):
+        if stale(maps):
             import mmap
 
             with self._arena_lock:
                 maps = self._arena_maps.get(w)
-                if maps is None or any(c not in maps for c in need):
+                if stale(maps):
                     key = f"warehouse {w}"
                     conn = self._conn(key, self.wh_endpoints[w])
                     assert conn is not None
@@ -291,7 +301,7 @@ class RayBackend:
                         if not len(cids) == len(sizes) == len(fds):
                             raise Unavailable(f"{key} sent {len(fds)} arena fds for {len(sizes)} arenas")
                         for c, size, fd in zip(cids, sizes, fds):
-                            if int(c) not in maps:
+                            if int(c) not in maps or len(maps[int(c)]) < int(size):
                                 maps[int(c)] = np.frombuffer(mmap.mmap(fd, int(size)), dtype=np.uint8)
                     finally:
                         for fd in fds:
@@ -337,7 +347,7 @@ class RayBackend:
                 spec = [(cid, None if lengths is None else lengths[pos]) for cid, _, lengths in inputs]
                 rid, dst = self._wh(w, "reserve", spec, rows[pos], epoch)
                 reserved.append((w, rid))
-                arenas = self._arenas(w, [cid for cid, _, _ in inputs])
+                arenas = self._arenas(w, [cid for cid, _, _ in inputs], [_end(o, n) for o, n in dst])
                 for (cid, _, _), (flat, offs), (dst_offs, nbytes) in zip(inputs, src, dst):
                     _core.dock_copy_rows(arenas[cid], dst_offs, flat, offs[pos], nbytes)
         except BaseException:
@@ -414,8 +424,14 @@ class RayBackend:
         if not len(rows) or (wh != wh[0]).any() or not self._near(int(wh[0])):
             return [(a, lens, False) for a, lens in self.fetch_many(cols, rows, "packed", epoch)]
         w = int(wh[0])
-        arenas = self._arenas(w, [cid for cid, _ in cols])
         lid, located = self._wh(w, "locate", [cid for cid, _ in cols], rows, epoch, True)
+        try:
+            ends = [_end(offs, lens * col.item_bytes) for (_, col), (offs, lens) in zip(cols, located)]
+            arenas = self._arenas(w, [cid for cid, _ in cols], ends)
+        except BaseException:
+            with contextlib.suppress(MsrlError):
+                self._wh(w, "unlease", lid)
+            raise
         pin: _Pin | None = None
         span: Any = None
         arr: Any = None
@@ -576,9 +592,10 @@ class RayBackend:
                 if not near and len(got) == 1 and not (col.ragged and layout == "padded"):
                     results.append(got[0][k])  # one far warehouse's answer as is
                     continue
-                pieces = [
-                    (pos, self._arenas(w, [cid])[cid], locs[k]) for (w, pos), locs in zip(near, located)
-                ]
+                pieces = []
+                for (w, pos), locs in zip(near, located):
+                    end = _end(locs[k][0], locs[k][1] * col.item_bytes)
+                    pieces.append((pos, self._arenas(w, [cid], [end])[cid], locs[k]))
                 for (_, pos), g in zip(far, got):
                     arr, lens = g[k]
                     lens = np.ones(len(pos), np.int64) if lens is None else lens
@@ -637,7 +654,7 @@ class RayBackend:
         self._pids = {n: q for n, q in self._pids.items() if q != p}
 
     def partition_names(self) -> list[str]:
-        return self._get(self.controller.call.remote("partition_names"), "controller")
+        return self._ctl("partition_names")
 
     def column_info(self, name: str) -> tuple | None:
         return self._ctl("column_info", name)
@@ -687,14 +704,14 @@ class RayBackend:
         return self._ctl("keys_of", p, rows)
 
     def list_keys(self, p: int) -> tuple[list, np.ndarray, list]:
-        return self._get(self.controller.call.remote("list_keys", p), "controller")
+        return self._ctl("list_keys", p)
 
     def written(self, p: int, keys: list, cids: list[int]) -> np.ndarray:
         flat = self._ctl("written", p, keys, cids)
         return np.asarray(flat, dtype=bool).reshape(len(keys), len(cids))
 
     def tag(self, p: int, keys: list, tags: list) -> None:
-        self._get(self.controller.call.remote("tag", p, keys, tags), "controller")
+        self._ctl("tag", p, keys, tags)
 
     def _ctl_ray(self, op: str, *args: Any) -> Any:
         self._unpinner.flush()  # views dropped here unpin first
@@ -720,36 +737,12 @@ class RayBackend:
             rows = rows[np.argsort(wh, kind="stable")]
         return rows
 
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        rows, epoch, claim_id = self._ctl(
-            "claim_in", p, stage, max_rows, min_rows, timeout, max_items, min_version, wait=timeout
-        )
+    def claim_in(self, req: ClaimIn) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl("claim_in", *req, wait=req.timeout)
         return self._by_warehouse(rows), int(epoch), int(claim_id)
 
-    def claim_dp(
-        self,
-        p: int,
-        stage: int,
-        rnd: str,
-        dp_rank: int,
-        dp_size: int,
-        ranks: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        args = (p, stage, rnd, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, min_version)
-        rows, epoch, claim_id = self._ctl("claim_dp", *args, wait=timeout)
+    def claim_dp(self, req: ClaimDP) -> tuple[np.ndarray, int, int]:
+        rows, epoch, claim_id = self._ctl("claim_dp", *req, wait=req.timeout)
         return self._by_warehouse(rows), int(epoch), int(claim_id)
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
@@ -757,6 +750,9 @@ class RayBackend:
 
     def complete_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self._ctl("complete_in", p, stage, rows, epoch, claim_id)
+
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self._ctl("check_claim_epoch", p, epoch)
 
     def progress_in(self, p: int, stage: int) -> dict:
         return self._get(self.controller.call.remote("progress_in", p, stage), "controller")
@@ -771,6 +767,11 @@ class RayBackend:
         for h in [self.controller, *self.warehouses]:
             with contextlib.suppress(Exception):  # already dead, or Ray shutting down: nothing to kill
                 ray.kill(h)
+
+
+def _end(offsets: np.ndarray, nbytes: np.ndarray) -> int:
+    """The arena byte after the last of the rows (0 for none): how much of the arena a copy needs mapped."""
+    return int((np.asarray(offsets) + np.asarray(nbytes)).max()) if len(offsets) else 0
 
 
 def _packed_offsets(col: Column, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

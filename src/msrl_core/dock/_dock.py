@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core.dock import _objects
-from msrl_core.dock._backend import Backend
+from msrl_core.dock._backend import Backend, ClaimDP, ClaimIn
 from msrl_core.dock._device import check_device_output, device_io
 from msrl_core.dock._jagged import ragged_output
 from msrl_core.dock._keyed import KeyedMixin, _keys_list
@@ -313,21 +313,23 @@ class Dock(KeyedMixin):
                 raise InvalidArgument("a DP claim balances by balance_by itself: max_items does not apply")
             p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_dp(
-                p,
-                sid,
-                f"{type(batch).__name__}:{batch}",
-                int(dp_rank),
-                int(dp_size),
-                int(ranks_per_replica),
-                int(max_rows),
-                int(min_rows),
-                float(timeout),
-                min_version,
+                ClaimDP(
+                    p,
+                    sid,
+                    f"{type(batch).__name__}:{batch}",
+                    int(dp_rank),
+                    int(dp_size),
+                    int(ranks_per_replica),
+                    int(max_rows),
+                    int(min_rows),
+                    float(timeout),
+                    min_version,
+                )
             )
         else:
             p = self._pid(partition, create=True)  # a consumer may start before the producers
             rows, epoch, claim_id = self._backend.claim_in(
-                p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version
+                ClaimIn(p, sid, int(max_rows), int(min_rows), float(timeout), items, min_version)
             )
         self._record("claim", t0)
         return Claim._new(stage, rows, self._backend.warehouse_of, epoch, claim_id, partition)
@@ -394,8 +396,9 @@ class Dock(KeyedMixin):
         nested_td = as_td and layout == "nested"
         store_layout = "padded" if layout == "padded" else "packed"
         # The warehouses check a claim's iteration against reset(); a partition's claims count clears,
-        # which put/release/complete check natively (a fetch after a clear finds its rows erased).
-        read_epoch = epoch_of(meta) if partition_of(meta) is None else -1
+        # which the control plane checks after the copy (a clear that reused the rows meanwhile is caught).
+        claim_partition = partition_of(meta)
+        read_epoch = epoch_of(meta) if claim_partition is None else -1
         rows = rows_array(meta, self.capacity)
         cids = [self._column_ids[c] for c in columns]
         data: dict[str, Any] = {}
@@ -407,6 +410,12 @@ class Dock(KeyedMixin):
         else:
             got = self._backend.fetch_views(specs, rows, read_epoch)
             views = {name for name, g in zip(columns, got) if g[2]}
+        if claim_partition is not None and epoch_of(meta) >= 0:
+            try:
+                self._backend.check_claim_epoch(self._pid(claim_partition), epoch_of(meta))
+            except BaseException:
+                got = []  # no view of the refused read stays pinned by the traceback
+                raise
         for name, (arr, lengths, *_) in zip(columns, got):
             col = self.columns[name]
             if col.is_object:  # decoded here, in the reading client only

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from msrl_core import _core
+from msrl_core.dock._backend import ClaimDP, ClaimIn
 from msrl_core.dock._types import Column
 
 
@@ -111,34 +112,11 @@ class LocalBackend:
     def drop_partition(self, p: int) -> None:
         self._core.drop_partition(p)
 
-    def claim_in(
-        self,
-        p: int,
-        stage: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        max_items: int,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        return self._core.claim_in(p, stage, max_rows, min_rows, timeout, max_items, min_version)
+    def claim_in(self, req: ClaimIn) -> tuple[np.ndarray, int, int]:
+        return self._core.claim_in(*req)
 
-    def claim_dp(
-        self,
-        p: int,
-        stage: int,
-        rnd: str,
-        dp_rank: int,
-        dp_size: int,
-        ranks: int,
-        max_rows: int,
-        min_rows: int,
-        timeout: float,
-        min_version: int,
-    ) -> tuple[np.ndarray, int, int]:
-        return self._core.claim_dp(
-            p, stage, rnd, dp_rank, dp_size, ranks, max_rows, min_rows, timeout, min_version
-        )
+    def claim_dp(self, req: ClaimDP) -> tuple[np.ndarray, int, int]:
+        return self._core.claim_dp(*req)
 
     def release_in(self, p: int, stage: int, rows: np.ndarray, epoch: int = -1, claim_id: int = 0) -> None:
         self._core.release_in(p, stage, rows, epoch, claim_id)
@@ -148,6 +126,9 @@ class LocalBackend:
 
     def progress_in(self, p: int, stage: int) -> dict:
         return self._core.progress(stage, p)
+
+    def check_claim_epoch(self, p: int, epoch: int) -> None:
+        self._core.check_claim_epoch(p, epoch)
 
     def column_stats(self, cid: int) -> list[dict]:
         return self._core.column_stats(cid)

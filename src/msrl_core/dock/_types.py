@@ -488,6 +488,11 @@ def to_put_input(name: str, col: Column, value: Any) -> tuple[np.ndarray, np.nda
             _check_inner(name, col, arr.shape[1:])
             return arr, np.ascontiguousarray(lengths), len(lengths)
         if isinstance(value, (list, tuple)):
+            if isinstance(value, list) and col.dtype != "bfloat16":
+                # One native call when every row is already a C-contiguous array of the column's dtype.
+                packed = _core.dock_pack_rows(value, col.storage_dtype, list(col.shape))
+                if packed is not None:
+                    return packed[0], packed[1], len(value)
             parts = [_as_numpy(v, name, col) for v in value]
             for p in parts:
                 if p.ndim < 1:

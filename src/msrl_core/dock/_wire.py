@@ -3,6 +3,7 @@
 A frame is a 16-byte header ``magic(4) kind(u32) length(u64)`` and ``length`` bytes of body. The body
 is one value in a small tagged encoding that can only build ``None``, bools, 64-bit ints and floats,
 strings, lists and 1-D numpy arrays of a few integer/float dtypes (raw bytes): decoding never runs code.
+Encoding and decoding are native (csrc/bindings/wire.cpp): one pass per value on each side of a call.
 A request body is ``(op, (args...))``; an ok reply carries the result, an error reply ``[class, message]``.
 
 The server (:class:`Server`) accepts only peers of its own uid (``SO_PEERCRED``; others are closed
@@ -27,8 +28,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from msrl_core import _core
 from msrl_core.dock._types import MAX_WAIT_S
 from msrl_core.errors import MsrlError, Timeout, Unavailable
@@ -37,123 +36,24 @@ MAGIC = b"MSD1"
 HEADER = struct.Struct("!4sIQ")
 REQUEST, OK, ERROR = 1, 2, 3
 MAX_FRAME = 1 << 30  # bytes of one frame's body (rows arrays and offsets; data moves through the arenas)
-MAX_DEPTH = 8
+MAX_DEPTH = 8  # nesting of lists (kMaxDepth in csrc/bindings/wire.cpp)
 MAX_FDS = 256
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
-_I64 = struct.Struct("!q")
-_F64 = struct.Struct("!d")
-_U32 = struct.Struct("!I")
-_ARR = struct.Struct("!BQ")  # dtype code, element count
-# The only array dtypes on the wire (little-endian, as numpy stores them on Linux).
-_DTYPES = [np.dtype("<i8"), np.dtype("<i4"), np.dtype("u1"), np.dtype("<f8"), np.dtype("<u8")]
-_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+WireError = _core.DockWireError  # a frame or value that does not follow the encoding
 
 
-class WireError(Exception):
-    """A frame that does not follow the encoding (the connection is closed)."""
-
-
-# ---- encoding ----------------------------------------------------------------------------------
+# ---- encoding (native: csrc/bindings/wire.cpp, one pass per value on each side) ---------------------
 
 
 def encode(value: Any) -> bytes:
     """The body bytes of `value` (see the module doc for what can travel)."""
-    out: list[bytes] = []
-    _encode(value, out, 0)
-    return b"".join(out)
-
-
-def _encode(v: Any, out: list[bytes], depth: int) -> None:
-    if depth > MAX_DEPTH:
-        raise WireError(f"value nested deeper than {MAX_DEPTH}")
-    if v is None:
-        out.append(b"N")
-    elif v is True or v is False or isinstance(v, np.bool_):
-        out.append(b"T" if v else b"F")
-    elif isinstance(v, (int, np.integer)):
-        out.append(b"i" + _I64.pack(int(v)))
-    elif isinstance(v, (float, np.floating)):
-        out.append(b"f" + _F64.pack(float(v)))
-    elif isinstance(v, str):
-        raw = v.encode()
-        out.append(b"s" + _U32.pack(len(raw)) + raw)
-    elif isinstance(v, (list, tuple)):
-        out.append(b"l" + _U32.pack(len(v)))
-        for x in v:
-            _encode(x, out, depth + 1)
-    elif isinstance(v, np.ndarray):
-        arr = np.ascontiguousarray(v).reshape(-1)
-        code = _DTYPE_CODE.get(arr.dtype)
-        if code is None or v.ndim != 1:
-            raise WireError(f"array of dtype {v.dtype} and {v.ndim} dims cannot travel; 1-D {_DTYPES}")
-        out.append(b"a" + _ARR.pack(code, arr.size) + arr.tobytes())
-    else:
-        raise WireError(f"a {type(v).__name__} cannot travel on the dock wire")
+    return _core.dock_wire_encode(value)
 
 
 def decode(body: bytes | bytearray | memoryview) -> Any:
     """The value of a body; WireError on anything that does not follow the encoding exactly."""
-    view = memoryview(body)
-    value, pos = _decode(view, 0, 0)
-    if pos != len(view):
-        raise WireError(f"{len(view) - pos} trailing bytes after the value")
-    return value
-
-
-def _take(view: memoryview, pos: int, n: int) -> int:
-    if n < 0 or pos + n > len(view):
-        raise WireError("frame ends inside a value")
-    return pos + n
-
-
-def _decode(view: memoryview, pos: int, depth: int) -> tuple[Any, int]:
-    if depth > MAX_DEPTH:
-        raise WireError(f"value nested deeper than {MAX_DEPTH}")
-    end = _take(view, pos, 1)
-    tag = view[pos : pos + 1].tobytes()
-    pos = end
-    if tag == b"N":
-        return None, pos
-    if tag == b"T":
-        return True, pos
-    if tag == b"F":
-        return False, pos
-    if tag == b"i":
-        end = _take(view, pos, 8)
-        return _I64.unpack_from(view, pos)[0], end
-    if tag == b"f":
-        end = _take(view, pos, 8)
-        return _F64.unpack_from(view, pos)[0], end
-    if tag == b"s":
-        end = _take(view, pos, 4)
-        (n,) = _U32.unpack_from(view, pos)
-        stop = _take(view, end, n)
-        try:
-            return view[end:stop].tobytes().decode(), stop
-        except UnicodeDecodeError:
-            raise WireError("string is not UTF-8") from None
-    if tag == b"l":
-        end = _take(view, pos, 4)
-        (n,) = _U32.unpack_from(view, pos)
-        _take(view, end, n)  # every item takes at least one byte: n is bounded by the frame
-        items = []
-        pos = end
-        for _ in range(n):
-            x, pos = _decode(view, pos, depth + 1)
-            items.append(x)
-        return items, pos
-    if tag == b"a":
-        end = _take(view, pos, _ARR.size)
-        code, count = _ARR.unpack_from(view, pos)
-        if code >= len(_DTYPES):
-            raise WireError(f"unknown array dtype code {code}")
-        dt = _DTYPES[code]
-        if count > len(view):  # before multiplying: no overflow, no allocation
-            raise WireError("array longer than the frame")
-        stop = _take(view, end, count * dt.itemsize)
-        return np.frombuffer(view[end:stop], dtype=dt).copy(), stop
-    raise WireError(f"unknown tag {tag!r}")
+    return _core.dock_wire_decode(body)
 
 
 # ---- framing -----------------------------------------------------------------------------------
