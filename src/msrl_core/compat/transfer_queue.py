@@ -452,10 +452,9 @@ class Client:
             for k, t in zip(keys, merged):
                 if k in fresh:
                     t[SEQ_TAG] = next(stamps)
-        if columns:
-            self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
-        else:
-            self.dock.tag(keys, merged, partition=partition_id)
+        # A put without columns is the tag upsert (Dock.tag's native rule) on the dock's same-node socket
+        # path (~0.1 ms); Dock.tag itself goes through a Ray call (~1.5-3 ms here).
+        self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
         return _kv_meta(keys, partition_id, self.tags_of(keys, partition_id))
 
     @_retrying
@@ -515,7 +514,8 @@ class Client:
         if create:
             fresh = self._absent(keys, partition_id)
             if fresh:
-                self.dock.tag(fresh, [{SEQ_TAG: s} for s in _new_seq(len(fresh))], partition=partition_id)
+                stamps = [{SEQ_TAG: s} for s in _new_seq(len(fresh))]
+                self.dock.put({}, keys=fresh, partition=partition_id, overwrite=True, tags=stamps)
         try:
             tags = self.dock.tags(partition=partition_id, keys=keys)
             rows = self.dock.rows_of(keys, partition=partition_id)
