@@ -295,3 +295,15 @@ def test_the_verl_shaped_example_runs() -> None:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "DP 2 x TP 2 chunked reads, every value checked" in out.stdout
+
+
+def test_a_put_result_is_the_state_right_after_that_put(compat) -> None:
+    # Results are read when first used or before this process next changes their keys: never later state.
+    first = tq.kv_put(key="a", partition_id="train", fields={"x": torch.ones(1)}, tag={"v": 1})
+    second = tq.kv_put(key="a", partition_id="train", fields={"y": torch.ones(1)}, tag={"v": 2})
+    tq.kv_clear(keys="a", partition_id="train")
+    assert first.fields == ["x"] and first.tags == [{"v": 1}]
+    assert second.fields == ["x", "y"] and second.tags == [{"v": 2}]
+    dropped = tq.kv_batch_put(keys=["b"], partition_id="train", tags=[{"s": 1}])
+    del dropped  # a result nobody reads is never read (verl's agent loop)
+    assert tq.get_client()._pending == {}

@@ -34,6 +34,7 @@ import shutil
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -318,14 +319,55 @@ def _key_list(keys: Any) -> list:
     return [keys] if isinstance(keys, (str, int)) else list(keys)
 
 
-def _kv_meta(keys: list, partition_id: str, tags: dict) -> KVBatchMeta:
-    """TransferQueue's put result: the keys, their merged tags, every field they hold (sorted)."""
-    return KVBatchMeta(
-        keys=list(keys),
-        tags=[_user_tags(tags[k]) for k in keys],
-        partition_id=partition_id,
-        fields=sorted({f for k in keys for f in _columns(tags[k])}),
-    )
+class _PutMeta(KVBatchMeta):
+    """The KVBatchMeta a put returns (TransferQueue's: the keys' merged tags and every field they hold), with
+    ``tags`` and ``fields`` read from the dock when first used — or, at the latest, before this process's
+    client next changes one of its keys (``Client._settle``), so within a process they are the state right
+    after the put, as TQ returns it. A result nobody reads (verl's agent loop drops what its upserts return)
+    costs no read. Pickled or copied it becomes a plain KVBatchMeta, read then."""
+
+    @classmethod
+    def pending(cls, keys: list, partition_id: str, load: Callable[[], dict]) -> _PutMeta:
+        self = cls.__new__(cls)
+        self.__dict__.update(
+            keys=list(keys),
+            partition_id=partition_id,
+            extra_info={},
+            _size=len(keys),
+            _load=load,
+            _lock=threading.Lock(),
+        )
+        return self
+
+    def _loaded(self) -> dict:
+        d = self.__dict__
+        if "_load" in d:
+            with d.setdefault("_lock", threading.Lock()):
+                load = d.pop("_load", None)
+                if load is not None:
+                    tags = load()
+                    d["tags"] = [_user_tags(tags[k]) for k in d["keys"]]
+                    d["fields"] = sorted({f for k in d["keys"] for f in _columns(tags[k])})
+        return d
+
+    @property  # type: ignore[override]
+    def tags(self) -> list[dict]:
+        return self._loaded()["tags"]
+
+    @tags.setter
+    def tags(self, value: list[dict]) -> None:
+        self._loaded()["tags"] = value
+
+    @property  # type: ignore[override]
+    def fields(self) -> list[str] | None:
+        return self._loaded()["fields"]
+
+    @fields.setter
+    def fields(self, value: list[str] | None) -> None:
+        self._loaded()["fields"] = value
+
+    def __reduce__(self) -> tuple:
+        return (KVBatchMeta, (self.keys, self.tags, self.partition_id, self.fields, self.extra_info))
 
 
 def _retrying(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -360,6 +402,34 @@ class Client:
         self.codec = codec
         self.controller = controller  # the stand-in actor: get_meta's consumption
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="msrl-tq-compat")
+        # Put results not read yet: id -> weak reference (a result dropped unread is never read).
+        self._pending: dict[int, weakref.ref] = {}
+        self._pending_lock = threading.Lock()
+
+    def _settle(self, keys: list | None, partition_id: str | None) -> None:
+        """Reads the pending put results of keys in partition_id (None: all) before they change."""
+        if not self._pending:
+            return
+        wanted = None if keys is None else set(keys)
+        with self._pending_lock:
+            metas = [m for m in (r() for r in list(self._pending.values())) if m is not None]
+        for m in metas:
+            if partition_id is not None and m.partition_id != partition_id:
+                continue
+            if wanted is None or not wanted.isdisjoint(m.keys):
+                m._loaded()
+                with self._pending_lock:
+                    self._pending.pop(id(m), None)
+
+    def _pend(self, meta: _PutMeta) -> _PutMeta:
+        key = id(meta)
+
+        def gone(_ref: weakref.ref, key: int = key, pending: dict = self._pending) -> None:
+            pending.pop(key, None)
+
+        with self._pending_lock:
+            self._pending[key] = weakref.ref(meta, gone)
+        return meta
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -420,7 +490,8 @@ class Client:
         self, keys: list, partition_id: str, fields: TensorDict | None, tags: list[dict] | None
     ) -> KVBatchMeta:
         """Writes fields and/or tags of keys in one all-or-nothing dock call (new keys get their creation
-        stamp in it); returns their KVBatchMeta as TransferQueue does (tags merged, every field held)."""
+        stamp in it); returns their KVBatchMeta as TransferQueue does (tags merged, every field held; read
+        when first used, see _PutMeta)."""
         n = len(keys)
         if fields is None and tags is None:
             raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
@@ -454,8 +525,10 @@ class Client:
                     t[SEQ_TAG] = next(stamps)
         # A put without columns is the tag upsert (Dock.tag's native rule) on the dock's same-node socket
         # path (~0.1 ms); Dock.tag itself goes through a Ray call (~1.5-3 ms here).
+        self._settle(keys, partition_id)  # earlier results of these keys show the state before this put
         self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
-        return _kv_meta(keys, partition_id, self.tags_of(keys, partition_id))
+        read = _retrying(lambda client: client.tags_of(keys, partition_id))
+        return self._pend(_PutMeta.pending(keys, partition_id, lambda: read(self)))
 
     @_retrying
     def get(self, keys: list, partition_id: str, select_fields: list[str] | None) -> TensorDict:
@@ -505,6 +578,7 @@ class Client:
     @_retrying
     def clear(self, keys: list, partition_id: str) -> None:
         if partition_id in self.dock.partitions():
+            self._settle(keys, partition_id)
             _msrl_tq.erase_present(self.dock, keys, partition_id)
             if self.controller is not None:
                 ray.get(self.controller.forget.remote(partition_id, keys), timeout=_ACTOR_TIMEOUT_S)
@@ -803,6 +877,7 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     if not meta_path.exists():
         raise FileNotFoundError(f"{_METADATA_FILE} not found in {checkpoint_dir}")
     meta = json.loads(meta_path.read_text())
+    _STATE["client"]._settle(None, None)  # put results not read yet show the state before the load
     for p in list(dock.partitions()):
         dock.drop_partition(p)
     for i, p in enumerate(meta["partitions"]):
