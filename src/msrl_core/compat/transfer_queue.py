@@ -487,7 +487,12 @@ class Client:
 
     @_retrying
     def put(
-        self, keys: list, partition_id: str, fields: TensorDict | None, tags: list[dict] | None
+        self,
+        keys: list,
+        partition_id: str,
+        fields: TensorDict | None,
+        tags: list[dict] | None,
+        existing: bool = False,
     ) -> KVBatchMeta:
         """Writes fields and/or tags of keys in one all-or-nothing dock call (new keys get their creation
         stamp in it); returns their KVBatchMeta as TransferQueue does (tags merged, every field held; read
@@ -517,7 +522,7 @@ class Client:
             reserved = {RESERVED_TAG + f: c for f, c in chosen.items()}
             for t in merged:
                 t.update(reserved)
-        fresh = set(self._absent(keys, partition_id))
+        fresh = set() if existing else set(self._absent(keys, partition_id))  # existing: keys from keys_of
         if fresh:
             stamps = iter(_new_seq(len(fresh)))
             for k, t in zip(keys, merged):
@@ -665,7 +670,7 @@ class Client:
             raise ValueError("put() here needs the BatchMeta of existing keys (kv_retrieve_meta)")
         partition = _one_partition(metadata)
         keys = await self.async_kv_retrieve_keys(metadata.global_indexes, partition)
-        await self._call(self.put, keys, partition, data, None)
+        await self._call(self.put, keys, partition, data, None, True)
         return metadata.add_fields(data)
 
     def kv_retrieve_meta(self, keys: Any, partition_id: str, create: bool = False) -> BatchMeta:
