@@ -15,7 +15,8 @@ SimpleStorage returns comes back); the column of each (key, field) is a reserved
 
 Keys are listed in insertion order (a creation stamp, ``SEQ_TAG``, is written with each new key), as
 TransferQueue's controller lists them. A put is one dock call (tags, the column entries and the new keys'
-stamps travel with the data, all or nothing) plus a read of its keys' tags for the KVBatchMeta it returns.
+stamps travel with the data, all or nothing); the KVBatchMeta it returns reads its keys' tags when first used
+(``_PutMeta``), so an upsert whose result is dropped — verl's agent loop, per sample — reads nothing.
 
 Not implemented (verl does not use them): samplers / consumption and production status, ``StreamingDataset``,
 ``clear_partition`` from the client, metrics, ``data_parser``. For TransferQueue's own e2e tests a named
