@@ -197,8 +197,12 @@ def main() -> None:
     import msrl_core.compat.transfer_queue as compat
 
     modules = {"tq": real_tq, "compat": compat}
-    ray.init(
-        num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, object_store_memory=512 * 2**20
+    ray.init(  # address="local": a Ray of its own (a bare init joins whatever cluster /tmp/ray names)
+        address="local",
+        num_cpus=4,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        object_store_memory=512 * 2**20,
     )
     step = make_step(args.prompts, args.n, seed=0)
     payload = int(

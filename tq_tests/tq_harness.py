@@ -39,7 +39,10 @@ MSRL_DOCK_LEFT_OUT = {
 # MsrlDock's config block, as a user would write it under transfer_queue.backend.MsrlDock.
 MSRL_DOCK_TEST_CONFIG: dict[str, Any] = {"capacity": 4096, "warehouses": 2}
 
+# address="local": always a Ray of its own (a bare ray.init() joins whatever cluster /tmp/ray names, e.g.
+# another user's on a shared machine).
 RAY_TEST_OPTIONS: dict[str, Any] = {
+    "address": "local",
     "num_cpus": 4,
     "object_store_memory": 256 * 2**20,
     "include_dashboard": False,

@@ -13,20 +13,29 @@ them (``msrl_core.integrations.transfer_queue``: one dock column per field and k
 SimpleStorage returns comes back); the column of each (key, field) is a reserved tag entry
 (``RESERVED_TAG + field``) written with the data in the same all-or-nothing put and hidden from ``kv_list``.
 
-Not implemented (verl does not use them): ``get_meta`` / samplers / consumption and production status,
-``StreamingDataset``, ``clear_partition`` from the client, metrics, ``data_parser``. For TransferQueue's own
-e2e tests a named actor ``TransferQueueController`` (namespace ``transfer_queue``) answers the three calls
-they make to TQ's controller (``list_partitions``, ``clear_partition``, ``get_partition_snapshot``) from the
-dock.
+Keys are listed in insertion order (a creation stamp, ``SEQ_TAG``, is written with each new key), as
+TransferQueue's controller lists them. A put is one dock call (tags, the column entries and the new keys'
+stamps travel with the data, all or nothing); the KVBatchMeta it returns reads its keys' tags when first used
+(``_PutMeta``), so an upsert whose result is dropped — verl's agent loop, per sample — reads nothing.
+
+Not implemented (verl does not use them): samplers / consumption and production status, ``StreamingDataset``,
+``clear_partition`` from the client, metrics, ``data_parser``. For TransferQueue's own e2e tests a named
+actor ``TransferQueueController`` (namespace ``transfer_queue``) answers the three calls they make to TQ's
+controller (``list_partitions``, ``clear_partition``, ``get_partition_snapshot``) from the dock, and
+``Client.get_meta`` is a stub of TQ's sampler API (fetch / force_fetch, per-task consumption in that actor,
+no samplers, never waits) for the one test that calls it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import shutil
 import sys
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +45,14 @@ import ray
 import torch
 from omegaconf import DictConfig
 from tensordict import NonTensorStack, TensorDict
-from transfer_queue.metadata import BatchMeta, KVBatchMeta
+
+try:
+    from transfer_queue.metadata import BatchMeta, KVBatchMeta
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "msrl_core.compat.transfer_queue uses TransferQueue's own BatchMeta / KVBatchMeta: it needs "
+        "transferqueue==0.1.11 installed (pip install 'msrl_core[tq]')"
+    ) from exc
 
 from msrl_core.dock import Dock
 from msrl_core.dock._objects import ObjectCodec
@@ -67,10 +83,39 @@ __all__ = [
     "save_checkpoint",
 ]
 
+# verl versions whose TransferQueue calls this module is written against: verl V1 as of
+# verl-project/verl 1dda039 (0.10.0.dev; PyPI's 0.9.1 predates V1). No verl installed is fine (TQ's own
+# tests, benchmarks); any other installed verl is refused at import.
+SUPPORTED_VERL_VERSIONS = ("0.10.0.dev", "0.10.0.dev0")
+
+
+def _check_verl() -> str | None:
+    try:
+        version = importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if version not in SUPPORTED_VERL_VERSIONS:
+        raise ImportError(
+            f"msrl_core.compat.transfer_queue implements the TransferQueue calls of verl "
+            f"{SUPPORTED_VERL_VERSIONS[0]} (verl V1, verl-project/verl 1dda039); found verl {version}. "
+            "Use verl 0.10.0.dev, or keep TransferQueue itself (its MsrlDock storage backend: "
+            "msrl_core.integrations.transfer_queue)"
+        )
+    return version
+
+
+TQ_VERSION = _msrl_tq.TQ_VERSION  # checked by msrl_core.integrations.transfer_queue (one rule)
+VERL_VERSION = _check_verl()
+
 CONTROLLER_NAME = "TransferQueueController"
 NAMESPACE = "transfer_queue"
-RESERVED_TAG = "\x00msrl.column:"
+# Tag names starting with RESERVED_PREFIX are this module's, hidden from kv_list and refused from users:
+# RESERVED_TAG + field names the dock column of that field of the key; SEQ_TAG orders keys by insertion.
+RESERVED_PREFIX = "\x00msrl."
+RESERVED_TAG = RESERVED_PREFIX + "column:"
+SEQ_TAG = RESERVED_PREFIX + "seq"
 _METADATA_FILE = "metadata.json"
+_ACTOR_TIMEOUT_S = 60.0  # the deadline of every call to the stand-in controller actor
 
 _STATE_LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # dock, codec, controller, owner, client
@@ -102,12 +147,38 @@ class PartitionSnapshot:
 
 
 class _Controller:
+    """The named actor every process finds the dock by; also keeps get_meta's consumption (per partition and
+    task: the keys handed out) and answers the three calls TransferQueue's e2e fixtures make."""
+
     def __init__(self, dock: Any, codec: ObjectCodec):
         self.dock = dock
         self.codec = codec
+        self._lock = threading.Lock()
+        self._consumed: dict[tuple[str, str | None], set] = {}
 
     def handle(self) -> tuple[Any, ObjectCodec]:
         return self.dock, self.codec
+
+    def consume(
+        self, partition_id: str, task: str | None, ready: list, batch_size: int | None, whole: bool
+    ) -> list:
+        """Up to batch_size of ``ready`` not consumed by ``task`` yet, now consumed (with ``whole``: all
+        batch_size or none)."""
+        with self._lock:
+            done = self._consumed.setdefault((partition_id, task), set())
+            free = [k for k in ready if k not in done]
+            if batch_size is not None:
+                if whole and len(free) < batch_size:
+                    return []
+                free = free[:batch_size]
+            done.update(free)
+            return free
+
+    def forget(self, partition_id: str, keys: list) -> None:
+        with self._lock:
+            for (p, _), done in self._consumed.items():
+                if p == partition_id:
+                    done.difference_update(keys)
 
     def list_partitions(self) -> list[str]:
         return list(self.dock.partitions())
@@ -115,12 +186,14 @@ class _Controller:
     def clear_partition(self, partition_id: str) -> None:
         if partition_id in self.dock.partitions():
             self.dock.drop_partition(partition_id)
+        with self._lock:
+            self._consumed = {pt: d for pt, d in self._consumed.items() if pt[0] != partition_id}
 
     def get_partition_snapshot(self, partition_id: str) -> PartitionSnapshot | None:
         if partition_id not in self.dock.partitions():
             return None
         tags = self.dock.tags(partition=partition_id)
-        keys = list(tags)
+        keys = _insertion_order(tags)
         user = {k: _user_tags(t) for k, t in tags.items()}
         fields = sorted({f for t in tags.values() for f in _columns(t)})
         written = np.array([[f in _columns(tags[k]) for f in fields] for k in keys], dtype=bool).reshape(
@@ -139,7 +212,27 @@ def _columns(tag: dict) -> dict[str, str]:
 
 
 def _user_tags(tag: dict) -> dict:
-    return {k: v for k, v in tag.items() if not k.startswith(RESERVED_TAG)}
+    return {k: v for k, v in tag.items() if not k.startswith(RESERVED_PREFIX)}
+
+
+def _insertion_order(tags: dict) -> list:
+    """Keys of ``{key: tags}`` in insertion order (TransferQueue's kv_list order): by the sequence stamped
+    on each key's creation; keys without one (written by other dock handles) last, in row order."""
+    last = [float("inf")]
+    return sorted(tags, key=lambda k: tags[k].get(SEQ_TAG, last))
+
+
+_SEQ_LOCK = threading.Lock()
+_SEQ_LAST = [0]
+
+
+def _new_seq(n: int) -> list[list[int]]:
+    """n increasing creation stamps: [wall-clock ns, n-th], strictly increasing within this process and
+    ordered across the processes of a node (the wall clock); JSON-able for the dock's tags."""
+    with _SEQ_LOCK:
+        now = max(time.time_ns(), _SEQ_LAST[0] + 1)
+        _SEQ_LAST[0] = now
+    return [[now, i] for i in range(n)]
 
 
 # ---- lifecycle ----------------------------------------------------------------------------------
@@ -182,14 +275,15 @@ def init(conf: DictConfig | dict | None = None) -> DictConfig | dict | None:
                     name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0.01, max_concurrency=8
                 )
                 controller = named.remote(dock, codec)
-                ray.get(controller.handle.remote())
+                ray.get(controller.handle.remote(), timeout=_ACTOR_TIMEOUT_S)
                 owner = True
             except ValueError:  # another process won the race: use its dock
                 dock.shutdown()
                 controller = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
                 owner = False
-        dock, codec = ray.get(controller.handle.remote())
-        _STATE.update(dock=dock, codec=codec, controller=controller, owner=owner, client=Client(dock, codec))
+        dock, codec = ray.get(controller.handle.remote(), timeout=_ACTOR_TIMEOUT_S)
+        client = Client(dock, codec, controller)
+        _STATE.update(dock=dock, codec=codec, controller=controller, owner=owner, client=client)
     return conf
 
 
@@ -226,14 +320,117 @@ def _key_list(keys: Any) -> list:
     return [keys] if isinstance(keys, (str, int)) else list(keys)
 
 
+class _PutMeta(KVBatchMeta):
+    """The KVBatchMeta a put returns (TransferQueue's: the keys' merged tags and every field they hold), with
+    ``tags`` and ``fields`` read from the dock when first used — or, at the latest, before this process's
+    client next changes one of its keys (``Client._settle``), so within a process they are the state right
+    after the put, as TQ returns it. A result nobody reads (verl's agent loop drops what its upserts return)
+    costs no read. Pickled or copied it becomes a plain KVBatchMeta, read then."""
+
+    @classmethod
+    def pending(cls, keys: list, partition_id: str, load: Callable[[], dict]) -> _PutMeta:
+        self = cls.__new__(cls)
+        self.__dict__.update(
+            keys=list(keys),
+            partition_id=partition_id,
+            extra_info={},
+            _size=len(keys),
+            _load=load,
+            _lock=threading.Lock(),
+        )
+        return self
+
+    def _loaded(self) -> dict:
+        d = self.__dict__
+        if "_load" in d:
+            with d.setdefault("_lock", threading.Lock()):
+                load = d.pop("_load", None)
+                if load is not None:
+                    tags = load()
+                    d["tags"] = [_user_tags(tags[k]) for k in d["keys"]]
+                    d["fields"] = sorted({f for k in d["keys"] for f in _columns(tags[k])})
+        return d
+
+    @property  # type: ignore[override]
+    def tags(self) -> list[dict]:
+        return self._loaded()["tags"]
+
+    @tags.setter
+    def tags(self, value: list[dict]) -> None:
+        self._loaded()["tags"] = value
+
+    @property  # type: ignore[override]
+    def fields(self) -> list[str] | None:
+        return self._loaded()["fields"]
+
+    @fields.setter
+    def fields(self, value: list[str] | None) -> None:
+        self._loaded()["fields"] = value
+
+    def __reduce__(self) -> tuple:
+        return (KVBatchMeta, (self.keys, self.tags, self.partition_id, self.fields, self.extra_info))
+
+
+def _retrying(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs a Client operation again, once, when the dock says a partition id it cached was dropped by
+    another handle (``NotFound: ... was dropped``: refused before anything changed)."""
+
+    def call(self: Client, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except NotFound as e:
+            if "was dropped" not in str(e):
+                raise
+        # The Ray client resets its partition-id cache on this error only on its socket path, not on calls
+        # through Ray (list_keys, tag): forget the ids here (asked of the dock's owner, inbox/dock.md).
+        if isinstance(getattr(self.dock._backend, "_pids", None), dict):
+            self.dock._backend._pids = {}
+        return fn(self, *args, **kwargs)
+
+    call.__name__, call.__doc__ = fn.__name__, fn.__doc__
+    return call
+
+
+_FEW_KEYS = 16  # up to this many keys, a put finds its new keys by per-key lookups, above by one listing
+
+
 class Client:
     """The client calls verl makes (``tq.get_client()``), plus the key-value operations behind the module
     functions. Dock calls block (natively, GIL released); the async methods run them on a thread pool."""
 
-    def __init__(self, dock: Any, codec: ObjectCodec):
+    def __init__(self, dock: Any, codec: ObjectCodec, controller: Any = None):
         self.dock = dock
         self.codec = codec
+        self.controller = controller  # the stand-in actor: get_meta's consumption
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="msrl-tq-compat")
+        # Put results not read yet: id -> weak reference (a result dropped unread is never read).
+        self._pending: dict[int, weakref.ref] = {}
+        self._pending_lock = threading.Lock()
+
+    def _settle(self, keys: list | None, partition_id: str | None) -> None:
+        """Reads the pending put results of keys in partition_id (None: all) before they change."""
+        if not self._pending:
+            return
+        wanted = None if keys is None else set(keys)
+        with self._pending_lock:
+            metas = [m for m in (r() for r in list(self._pending.values())) if m is not None]
+        for m in metas:
+            if partition_id is not None and m.partition_id != partition_id:
+                continue
+            if wanted is None or not wanted.isdisjoint(m.keys):
+                m._loaded()
+                with self._pending_lock:
+                    self._pending.pop(id(m), None)
+
+    def _pend(self, meta: _PutMeta) -> _PutMeta:
+        key = id(meta)
+
+        def gone(_ref: weakref.ref, key: int = key, pending: dict = self._pending) -> None:
+            pending.pop(key, None)
+
+        with self._pending_lock:
+            self._pending[key] = weakref.ref(meta, gone)
+        return meta
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -244,11 +441,71 @@ class Client:
 
     # -- synchronous core --
 
-    def put(self, keys: list, partition_id: str, fields: TensorDict | None, tags: list[dict] | None) -> dict:
-        """Writes fields and/or tags of keys; returns their tags after the put (reserved entries included)."""
+    def _absent(self, keys: list, partition_id: str) -> list:
+        """Those of keys the partition does not hold (yet)."""
+        if len(keys) <= _FEW_KEYS:
+            out = []
+            for k in keys:
+                try:
+                    self.dock.rows_of([k], partition=partition_id)
+                except NotFound as e:
+                    if "was dropped" in str(e):
+                        raise
+                    out.append(k)
+            return out
+        try:
+            present = set(self.dock.keys(partition=partition_id))
+        except NotFound as e:
+            if "was dropped" in str(e):
+                raise
+            return list(keys)
+        return [k for k in keys if k not in present]
+
+    def tags_of(self, keys: list, partition_id: str) -> dict:
+        """``{key: tags}`` of keys, reserved entries included (ValueError naming missing keys).
+
+        The dock has no per-key tag read yet: ``Dock.tags`` lists (and decodes) the whole partition; this
+        decodes only the keys asked for (asked of the dock's owner: /work/coord/inbox/dock.md)."""
+        backend = self.dock._backend
+        try:
+            listed_keys, _rows, items = backend.list_keys(self.dock._pid(partition_id))
+        except NotFound as e:
+            if "was dropped" in str(e):
+                raise
+            raise ValueError(
+                f"keys were not found: partition {partition_id!r} does not exist "
+                f"(partitions: {sorted(self.dock.partitions())})"
+            ) from None
+        where = {k: i for i, k in enumerate(listed_keys)}
+        missing = [k for k in keys if k not in where]
+        if missing:
+            raise ValueError(
+                f"keys were not found in partition {partition_id!r}: {missing[:8]!r}"
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                + f" ({len(missing)} of the {len(keys)} requested); nothing was read"
+            )
+        return {k: {name: json.loads(text) for name, text in items[where[k]]} for k in keys}
+
+    @_retrying
+    def put(
+        self,
+        keys: list,
+        partition_id: str,
+        fields: TensorDict | None,
+        tags: list[dict] | None,
+        existing: bool = False,
+    ) -> KVBatchMeta:
+        """Writes fields and/or tags of keys in one all-or-nothing dock call (new keys get their creation
+        stamp in it); returns their KVBatchMeta as TransferQueue does (tags merged, every field held; read
+        when first used, see _PutMeta)."""
         n = len(keys)
         if fields is None and tags is None:
             raise ValueError("Please provide at least one parameter of `fields` or `tags`.")
+        if n == 0:
+            raise ValueError("`keys` is empty: a put needs at least one key")
+        if len(set(keys)) != n:
+            dup = next(k for k in keys if keys.count(k) > 1)
+            raise ValueError(f"key {dup!r} appears twice in one put; keys of a put must be unique")
         if fields is not None and fields.batch_size[0] != n:
             raise ValueError(
                 f"`keys` with length {n} does not match the `fields` TensorDict with batch_size "
@@ -256,35 +513,46 @@ class Client:
             )
         if tags is not None and len(tags) != n:
             raise ValueError(f"keys with length {n} does not match length of tags {len(tags)}")
-        bad = [k for t in (tags or []) for k in t if str(k).startswith(RESERVED_TAG)]
+        bad = [k for t in (tags or []) for k in t if str(k).startswith(RESERVED_PREFIX)]
         if bad:
-            raise ValueError(f"tag keys starting with {RESERVED_TAG!r} are reserved, got {bad[0]!r}")
+            raise ValueError(f"tag keys starting with {RESERVED_PREFIX!r} are reserved, got {bad[0]!r}")
         merged = [dict(t) for t in tags] if tags is not None else [{} for _ in keys]
+        columns: dict[str, Any] = {}
         if fields is not None:
             columns, chosen = _msrl_tq.encode_fields(fields, n, self.codec)
             reserved = {RESERVED_TAG + f: c for f, c in chosen.items()}
             for t in merged:
                 t.update(reserved)
-            self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
-        else:
-            self.dock.tag(keys, merged, partition=partition_id)
-        return self.dock.tags(partition=partition_id, keys=keys)
+        fresh = set() if existing else set(self._absent(keys, partition_id))  # existing: keys from keys_of
+        if fresh:
+            stamps = iter(_new_seq(len(fresh)))
+            for k, t in zip(keys, merged):
+                if k in fresh:
+                    t[SEQ_TAG] = next(stamps)
+        # A put without columns is the tag upsert (Dock.tag's native rule) on the dock's same-node socket
+        # path (~0.1 ms); Dock.tag itself goes through a Ray call (~1.5-3 ms here).
+        self._settle(keys, partition_id)  # earlier results of these keys show the state before this put
+        self.dock.put(columns, keys=keys, partition=partition_id, overwrite=True, tags=merged)
+        read = _retrying(lambda client: client.tags_of(keys, partition_id))
+        return self._pend(_PutMeta.pending(keys, partition_id, lambda: read(self)))
 
+    @_retrying
     def get(self, keys: list, partition_id: str, select_fields: list[str] | None) -> TensorDict:
-        try:
-            tags = self.dock.tags(partition=partition_id, keys=keys)
-        except NotFound:
-            raise ValueError(f"keys or partition were not found! partition {partition_id!r}") from None
+        if not keys:
+            raise ValueError("`keys` is empty: kv_batch_get needs at least one key")
+        tags = self.tags_of(keys, partition_id)
         cols = [_columns(tags[k]) for k in keys]
         if select_fields is None:  # as TQ: the fields every requested key has
-            fields = sorted(set.intersection(*[set(c) for c in cols])) if cols else []
+            fields = sorted(set.intersection(*[set(c) for c in cols]))
         else:
             fields = list(select_fields)
         missing = [(k, f) for k, c in zip(keys, cols) for f in fields if f not in c]
         if missing:
+            short = sorted({k for k, _ in missing}, key=keys.index)
             raise ValueError(
                 f"Some fields are not ready in all the requested keys! key {missing[0][0]!r} has no field "
-                f"{missing[0][1]!r} in partition {partition_id!r}"
+                f"{missing[0][1]!r} in partition {partition_id!r} ({len(short)} of {len(keys)} keys lack "
+                f"some of {fields}); nothing was read"
             )
         n = len(keys)
         groups: dict[tuple[str, ...], list[int]] = {}
@@ -300,34 +568,92 @@ class Client:
                 parts[field].append((positions, kind, value))
         return TensorDict({f: _msrl_tq.pack_field(parts[f], n) for f in fields}, batch_size=n)
 
+    @_retrying
     def list_keys(self, partition_id: str | None) -> dict[str, dict]:
-        if partition_id is not None and partition_id not in self.dock.partitions():
-            return {}
-        listed = self.dock.list(partition_id)
-        return {p: {k: _user_tags(t) for k, t in kt.items()} for p, kt in listed.items()}
+        names = list(self.dock.partitions())
+        if partition_id is not None:
+            if partition_id not in names:
+                return {}
+            names = [partition_id]
+        out = {}
+        for p in names:
+            tags = self.dock.tags(partition=p)
+            out[p] = {k: _user_tags(tags[k]) for k in _insertion_order(tags)}
+        return out
 
+    @_retrying
     def clear(self, keys: list, partition_id: str) -> None:
         if partition_id in self.dock.partitions():
+            self._settle(keys, partition_id)
             _msrl_tq.erase_present(self.dock, keys, partition_id)
+            if self.controller is not None:
+                ray.get(self.controller.forget.remote(partition_id, keys), timeout=_ACTOR_TIMEOUT_S)
 
+    @_retrying
     def meta(self, keys: list, partition_id: str, create: bool) -> BatchMeta:
         if create:
-            self.dock.tag(keys, {}, partition=partition_id)
+            fresh = self._absent(keys, partition_id)
+            if fresh:
+                stamps = [{SEQ_TAG: s} for s in _new_seq(len(fresh))]
+                self.dock.put({}, keys=fresh, partition=partition_id, overwrite=True, tags=stamps)
         try:
             tags = self.dock.tags(partition=partition_id, keys=keys)
             rows = self.dock.rows_of(keys, partition=partition_id)
-        except NotFound:
+        except NotFound as e:
+            if "was dropped" in str(e):
+                raise
             return BatchMeta.empty()
         return _batch_meta(keys, rows, partition_id, tags)
 
+    @_retrying
+    def get_meta(
+        self,
+        data_fields: list[str] | None,
+        batch_size: int | None,
+        partition_id: str,
+        mode: str = "fetch",
+        task_name: str | None = None,
+        sampling_config: dict | None = None,
+    ) -> BatchMeta:
+        """A stub of TransferQueue's sampler API (verl does not call it; TQ's key-value e2e file does once):
+        ``mode="fetch"``: ``batch_size`` keys, in insertion order, that hold every one of ``data_fields`` and
+        that ``task_name`` has not consumed yet (consumption kept by the stand-in controller actor, forgotten
+        by kv_clear and clear_partition), or an empty BatchMeta when fewer are ready (TQ's polling mode: it
+        never waits); ``"force_fetch"``: the same without the readiness check. No samplers, no
+        ``sampling_config``."""
+        if sampling_config is not None:
+            raise NotImplementedError("msrl_core.compat.transfer_queue.get_meta takes no sampling_config")
+        if mode not in ("fetch", "force_fetch"):
+            raise ValueError(f"get_meta mode must be 'fetch' or 'force_fetch' here, got {mode!r}")
+        if mode == "fetch" and batch_size is None:
+            raise ValueError("must provide batch_size in fetch mode")
+        if partition_id not in self.dock.partitions() or self.controller is None:
+            return BatchMeta.empty()
+        tags = self.dock.tags(partition=partition_id)
+        wanted = list(data_fields or [])
+        ready = [
+            k
+            for k in _insertion_order(tags)
+            if mode == "force_fetch" or set(wanted) <= set(_columns(tags[k]))
+        ]
+        ref = self.controller.consume.remote(partition_id, task_name, ready, batch_size, mode == "fetch")
+        taken = ray.get(ref, timeout=_ACTOR_TIMEOUT_S)
+        if not taken:
+            return BatchMeta.empty()
+        rows = self.dock.rows_of(taken, partition=partition_id)
+        meta = _batch_meta(taken, rows, partition_id, {k: tags[k] for k in taken})
+        return meta.select_fields(wanted) if wanted else meta
+
     # -- verl's client calls --
+
+    async def async_get_meta(self, *args: Any, **kwargs: Any) -> BatchMeta:
+        return await self._call(self.get_meta, *args, **kwargs)
 
     async def async_kv_retrieve_meta(self, keys: Any, partition_id: str, create: bool = False) -> BatchMeta:
         return await self._call(self.meta, _key_list(keys), partition_id, create)
 
     async def async_kv_retrieve_keys(self, global_indexes: Any, partition_id: str) -> list:
-        rows = [int(i) for i in global_indexes]
-        return list(await self._call(self.dock.keys_of, rows, partition=partition_id))
+        return await self._call(self.kv_retrieve_keys, global_indexes, partition_id)
 
     async def async_get_data(self, metadata: BatchMeta) -> TensorDict:
         if metadata.size == 0 or not metadata.field_names:
@@ -345,12 +671,13 @@ class Client:
             raise ValueError("put() here needs the BatchMeta of existing keys (kv_retrieve_meta)")
         partition = _one_partition(metadata)
         keys = await self.async_kv_retrieve_keys(metadata.global_indexes, partition)
-        await self._call(self.put, keys, partition, data, None)
+        await self._call(self.put, keys, partition, data, None, True)
         return metadata.add_fields(data)
 
     def kv_retrieve_meta(self, keys: Any, partition_id: str, create: bool = False) -> BatchMeta:
         return self.meta(_key_list(keys), partition_id, create)
 
+    @_retrying
     def kv_retrieve_keys(self, global_indexes: Any, partition_id: str) -> list:
         return list(self.dock.keys_of([int(i) for i in global_indexes], partition=partition_id))
 
@@ -360,6 +687,7 @@ class Client:
     def put_data(self, data: TensorDict, metadata: BatchMeta) -> BatchMeta:
         return _run(self.async_put(data, metadata))
 
+    @_retrying
     def get_partition_list(self) -> list[str]:
         return list(self.dock.partitions())
 
@@ -372,10 +700,15 @@ def _one_partition(metadata: BatchMeta) -> str:
 
 
 def _field_schema(column: str) -> dict[str, Any]:
-    _, dtype, ndim, trail = _msrl_tq._parse_kind(column)
+    """TransferQueue's field schema entry (``extract_field_schema``) for a field stored in ``column``: a
+    field of one scalar per sample (a 1-D batch field) is recorded as TQ records it, per-sample shape (1,)
+    (``(B, 1)``); fields with a first dimension per sample are nested (their lengths per sample vary)."""
+    _, dtype, ndim, _trail = _msrl_tq._parse_kind(column)
     if dtype is None:
         return {"dtype": None, "shape": None, "is_nested": False, "is_non_tensor": True}
-    return {"dtype": dtype, "shape": None, "is_nested": ndim > 0, "is_non_tensor": False}
+    if ndim == 0:
+        return {"dtype": dtype, "shape": torch.Size([1]), "is_nested": False, "is_non_tensor": False}
+    return {"dtype": dtype, "shape": None, "is_nested": True, "is_non_tensor": False}
 
 
 def _batch_meta(keys: list, rows: Any, partition_id: str, tags: dict) -> BatchMeta:
@@ -405,14 +738,6 @@ def _run(coro: Any) -> Any:
 
 
 # ---- the key-value module functions --------------------------------------------------------------
-
-
-def _kv_meta(keys: list, partition_id: str, tags: dict) -> KVBatchMeta:
-    cols = [_columns(tags[k]) for k in keys]
-    fields = sorted({f for c in cols for f in c})
-    return KVBatchMeta(
-        keys=keys, tags=[_user_tags(tags[k]) for k in keys], partition_id=partition_id, fields=fields
-    )
 
 
 def _single_fields(fields: TensorDict | dict | None) -> TensorDict | None:
@@ -450,9 +775,7 @@ def kv_batch_put(
 ) -> KVBatchMeta:
     if data_parser is not None:
         raise NotImplementedError("data_parser is not supported by msrl_core.compat.transfer_queue")
-    keys = _key_list(keys)
-    got = get_client().put(keys, partition_id, fields, tags)
-    return _kv_meta(keys, partition_id, got)
+    return get_client().put(_key_list(keys), partition_id, fields, tags)
 
 
 def kv_batch_get(keys: Any, partition_id: str, select_fields: Any = None) -> TensorDict:
@@ -560,6 +883,7 @@ def load_checkpoint(checkpoint_dir: str | Path) -> None:
     if not meta_path.exists():
         raise FileNotFoundError(f"{_METADATA_FILE} not found in {checkpoint_dir}")
     meta = json.loads(meta_path.read_text())
+    _STATE["client"]._settle(None, None)  # put results not read yet show the state before the load
     for p in list(dock.partitions()):
         dock.drop_partition(p)
     for i, p in enumerate(meta["partitions"]):
