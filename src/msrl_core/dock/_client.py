@@ -761,7 +761,10 @@ class RayBackend:
         return self._get([h.column_stats.remote(cid) for h in self.warehouses], "warehouses")
 
     def shutdown(self) -> None:
-        """Kills the actors of this dock."""
+        """Kills the actors of this dock. Later calls of this handle go to the (dead) actor handles and
+        raise Unavailable: no same-node connection is opened again to an actor that may not have died yet
+        (ray.kill does not wait)."""
+        self.fast_path = False
         self._unpin_stop()
         _close_all(self._threads)
         for h in [self.controller, *self.warehouses]:
