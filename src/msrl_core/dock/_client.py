@@ -307,6 +307,7 @@ class RayBackend:
                         for fd in fds:
                             os.close(fd)
                     self._arena_maps[w] = maps
+        assert maps is not None  # stale(None) is True: mapped above
         return maps
 
     # -- backend interface --
