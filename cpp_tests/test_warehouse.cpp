@@ -224,7 +224,7 @@ TEST(Warehouse, ExternalArenaResizedKeepsItsBytesAndRefusesBelowTheBytesInUse) {
   EXPECT_EQ(code_of([&] { w.put(0, &row2, 1, big_row.data(), &four); }), Code::kOutOfMemory);
   std::vector<uint8_t> big(64);
   std::memcpy(big.data(), small.data(), small.size());  // the caller's grown memory: same bytes, same offsets
-  EXPECT_EQ(code_of([&] { w.resize_external(0, big.data(), 8); }), Code::kInvalidArgument);  // 12 in use
+  EXPECT_EQ(code_of([&] { w.resize_external(0, big.data(), 8); }), Code::kInvalidArgument);     // 12 in use
   EXPECT_EQ(code_of([&] { w.resize_external(1, r_mem.data(), 32); }), Code::kInvalidArgument);  // fixed column
   EXPECT_EQ(w.arena_capacity(0), 16);
   w.resize_external(0, big.data(), 64);

@@ -161,3 +161,19 @@ def test_a_partition_dropped_by_another_handle_is_looked_up_again_by_tags_and_li
     other.tag(["b"], {"t": 2}, partition="p")
     assert dock.tags(partition="p") == {"b": {"s": 1, "t": 2}} and other.partitions() == ["p"]
     dock.shutdown()
+
+
+def test_a_shut_down_handle_refuses_every_call():
+    from msrl_core.errors import Unavailable
+
+    dock = Dock(columns={"x": Column("int64")}, stages={"s": ["x"]}, capacity=8, warehouses=1, backend="ray")
+    rows = dock.put({"x": np.arange(2)}, partition="p", keys=["a", "b"])
+    dock.shutdown()  # ray.kill does not wait: the actors may still answer a socket for a moment
+    for call in (
+        lambda: dock.keys(partition="p"),
+        lambda: dock.tags(partition="p"),
+        lambda: dock.rows_of(["a"], partition="p"),
+        lambda: dock.fetch(rows, ["x"]),
+    ):
+        with pytest.raises(Unavailable):
+            call()

@@ -146,14 +146,10 @@ py::object decode_value(Reader& r, int depth) {
   if (depth > kMaxDepth) throw WireFormat("value nested deeper than " + std::to_string(kMaxDepth));
   const char tag = static_cast<char>(r.p[r.take(1)]);
   switch (tag) {
-    case 'N':
-      return py::none();
-    case 'T':
-      return py::bool_(true);
-    case 'F':
-      return py::bool_(false);
-    case 'i':
-      return py::reinterpret_steal<py::object>(PyLong_FromLongLong(static_cast<long long>(r.be(8))));
+    case 'N': return py::none();
+    case 'T': return py::bool_(true);
+    case 'F': return py::bool_(false);
+    case 'i': return py::reinterpret_steal<py::object>(PyLong_FromLongLong(static_cast<long long>(r.be(8))));
     case 'f': {
       const uint64_t bits = r.be(8);
       double d = 0;
@@ -163,8 +159,7 @@ py::object decode_value(Reader& r, int depth) {
     case 's': {
       const uint64_t k = r.be(4);
       const size_t at = r.take(k);
-      PyObject* s = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(r.p + at), static_cast<Py_ssize_t>(k),
-                                         "strict");
+      PyObject* s = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(r.p + at), static_cast<Py_ssize_t>(k), "strict");
       if (s == nullptr) {
         PyErr_Clear();
         throw WireFormat("string is not UTF-8");
@@ -194,8 +189,7 @@ py::object decode_value(Reader& r, int depth) {
       if (nbytes) std::memcpy(out.mutable_data(), r.p + at, static_cast<size_t>(nbytes));
       return std::move(out);
     }
-    default:
-      throw WireFormat(std::string("unknown tag ") + py::repr(py::bytes(&tag, 1)).cast<std::string>());
+    default: throw WireFormat(std::string("unknown tag ") + py::repr(py::bytes(&tag, 1)).cast<std::string>());
   }
 }
 

@@ -307,6 +307,7 @@ class RayBackend:
                         for fd in fds:
                             os.close(fd)
                     self._arena_maps[w] = maps
+        assert maps is not None  # stale(None) is True: mapped above
         return maps
 
     # -- backend interface --
@@ -761,7 +762,10 @@ class RayBackend:
         return self._get([h.column_stats.remote(cid) for h in self.warehouses], "warehouses")
 
     def shutdown(self) -> None:
-        """Kills the actors of this dock."""
+        """Kills the actors of this dock. Later calls of this handle go to the (dead) actor handles and
+        raise Unavailable: no same-node connection is opened again to an actor that may not have died yet
+        (ray.kill does not wait)."""
+        self.fast_path = False
         self._unpin_stop()
         _close_all(self._threads)
         for h in [self.controller, *self.warehouses]:
