@@ -29,6 +29,7 @@ def _run(tmp, dp: int, tp: int, *extra: str, steps: int = STEPS) -> dict:
             f"actor.tp={tp}",
             "trainer.val_every=0",
             f"trainer.output_dir={tmp}",
+            *extra,
         ]
     )
     s = open_session(cfg, before_training=warmup_hook(settings, lambda _: None), log=lambda _: None)
