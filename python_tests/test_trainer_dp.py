@@ -134,3 +134,46 @@ def test_dp2_on_two_ray_nodes_trains_as_dp1(dp1, two_nodes, tmp_path):
     for k in KEYS:
         assert got["metrics"][0][k] == pytest.approx(dp1["metrics"][0][k], rel=1e-5, abs=1e-6), k
     _check_rows(got, 2, 1, steps=1)
+
+
+def test_a_dead_worker_ends_the_step_naming_its_rank_and_node(tmp_path):
+    """A worker killed between two steps: the next step ends at once (well within trainer.step_timeout_s)
+    with a StageError whose message names the rank and its node; the group takes no further calls."""
+    import os
+    import signal
+    import socket
+    import time
+
+    from msrl_core.trainer.demo import prepare
+    from msrl_core.trainer.run import open_session
+    from msrl_core.trainer.stages import StageError
+    from msrl_core.trainer.workers import WorkerError
+
+    cfg, _ = prepare(
+        [
+            *trainer_util.TINY,
+            "actor.dp=2",
+            "trainer.val_every=0",
+            "trainer.step_timeout_s=60",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    s = open_session(cfg, log=lambda _: None)
+    try:
+        s.trainer.step(next(s.loader))
+        pid = s.engine.group.call("pid")[1]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((StageError, WorkerError)) as info:
+            s.trainer.step(next(s.loader))
+        took = time.monotonic() - t0
+        assert took < 30, took
+        err = info.value.error if isinstance(info.value, StageError) else info.value
+        msg = str(err)
+        assert isinstance(err, WorkerError) and err.rank == 1 and err.node == socket.gethostname(), msg
+        assert f"worker rank 1 on node {socket.gethostname()} died" in msg and "exit code -9" in msg, msg
+        with pytest.raises(WorkerError, match="rank 1 on node .* died"):  # and stays broken
+            s.engine.group.call("pid")
+    finally:
+        s.trainer.close()
+        s.engine.close()

@@ -151,7 +151,7 @@ class LocalWorkerGroup:
         self.world, self.timeout = world, timeout
         self.nodes = [node_name()] * world
         self._lock = threading.RLock()
-        self.broken = False
+        self.broken: WorkerError | None = None
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         for r in range(world):
@@ -175,10 +175,13 @@ class LocalWorkerGroup:
     ) -> list[Any]:
         argv = _check_args(self.world, args, per_rank)
         with self._lock:
-            if not self._procs or self.broken:
-                raise RuntimeError(
-                    f"the worker group is closed or broken by an earlier failure (calling {method})"
-                )
+            if self.broken is not None:  # the first failure again: it names the rank and node
+                f = self.broken
+                raise WorkerError(
+                    f"{f} (the group is broken; calling {method})", f.rank, f.node, method
+                ) from f
+            if not self._procs:
+                raise RuntimeError(f"the worker group is closed (calling {method})")
             for r, (c, a) in enumerate(zip(self._conns, argv)):
                 try:
                     c.send((method, a))
@@ -225,8 +228,8 @@ class LocalWorkerGroup:
                     )
                 if waiting:
                     _wait_any([self._conns[r] for r in waiting], 0.05)
-        except WorkerError:
-            self.broken = True
+        except WorkerError as e:
+            self.broken = e
             raise
         return out
 
@@ -249,7 +252,7 @@ class LocalWorkerGroup:
                 with contextlib.suppress(BrokenPipeError, OSError):
                     c.send(None)
             for p in self._procs:
-                p.join(30.0)
+                p.join(30.0 if self.broken is None else 2.0)
                 if p.is_alive():
                     p.kill()
                     p.join(5.0)
