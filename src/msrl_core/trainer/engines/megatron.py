@@ -94,8 +94,15 @@ class MegatronTrainEngine:
         self.tp_group, self.ep_group, self.pp_group = self.groups["tp"], self.groups["ep"], self.groups["pp"]
         from megatron.core import parallel_state as ps
 
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
+        # The trainer's replicas (actor.dp; with EP > 1 megatron-core's DP group is the EP group, whose ranks
+        # run the same rows: one replica, no gradient sum over it; actor.dp > 1 with EP is rejected)
+        self.dp_size = cfg.actor.dp
+        self.dp_rank = ps.get_data_parallel_rank() if self.dp_size > 1 else 0
+        if self.dp_size > 1 and ps.get_data_parallel_world_size() != self.dp_size:
+            raise RuntimeError(
+                f"megatron-core's data-parallel group has {ps.get_data_parallel_world_size()} ranks, "
+                f"actor.dp is {self.dp_size}"
+            )
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
