@@ -98,22 +98,6 @@ def _tmp_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
-def save(
-    run_dir: str | os.PathLike[str],
-    step: int,
-    rank: int,
-    train_state: dict[str, Any],
-    optimizer_state: dict[str, Any],
-    trainer_state: dict[str, Any] | None,
-    hf: tuple[dict[str, Any], Any, Any] | None,
-) -> Path:
-    """One process's whole part: :func:`save_rank`, then (given ``trainer_state``) :func:`finish`."""
-    save_rank(run_dir, step, rank, train_state, optimizer_state)
-    if trainer_state is not None:
-        return finish(run_dir, step, trainer_state, hf)
-    return step_dir(run_dir, step)
-
-
 def trainer_state(path: Path) -> dict[str, Any]:
     """The ``trainer_state.json`` of a checkpoint directory."""
     return json.loads((path / "trainer_state.json").read_text())

@@ -163,11 +163,7 @@ def work_loop(
         count("claim")
         batch = _fetch(dock, spec, meta)
         count("fetch")
-        out = work(batch)
-        if isinstance(out, tuple):
-            out, metrics = out
-            if report is not None:
-                report(metrics)
+        out = _run_work(work, batch, report)
         if spec.writes:
             if out is None:
                 raise RuntimeError(f"stage {spec.name} returned nothing; it must write {spec.writes}")
@@ -178,6 +174,16 @@ def work_loop(
 
 
 _ROUNDS = itertools.count()
+
+
+def _run_work(work: Work, batch: Any, report: Report | None) -> Any:
+    """``work(batch)``'s outputs; the metrics of an ``(outputs, metrics)`` pair go to ``report``."""
+    out = work(batch)
+    if isinstance(out, tuple):
+        out, metrics = out
+        if report is not None:
+            report(metrics)
+    return out
 
 
 def _fetch(dock: Dock, spec: StageSpec, meta: Any) -> Any:
@@ -220,11 +226,7 @@ def _replica_round(
     for m in metas:
         if len(m):
             count("fetch")
-    out = work(batches)
-    if isinstance(out, tuple):
-        out, metrics = out
-        if report is not None:
-            report(metrics)
+    out = _run_work(work, batches, report)
     if spec.writes:
         if out is None or len(out) != D:
             raise RuntimeError(

@@ -66,6 +66,16 @@ class WorkerGroup(Protocol):
         """End the workers (idempotent)."""
 
 
+def _failed(rank: int, node: str, method: str, error: BaseException) -> WorkerError:
+    """The error of a worker's method that raised ``error``."""
+    return WorkerError(
+        f"worker rank {rank} on node {node} failed in {method}: {type(error).__name__}: {error}",
+        rank,
+        node,
+        method,
+    )
+
+
 def load_class(path: str) -> Any:
     """``"package.module:Class"`` -> the class."""
     mod, _, name = path.partition(":")
@@ -207,13 +217,7 @@ class LocalWorkerGroup:
                             self._raise_dead(r, method)
                         waiting.discard(r)
                         if status != "ok":
-                            raise WorkerError(
-                                f"worker rank {r} on node {self.nodes[r]} failed in {method}: "
-                                f"{type(value).__name__}: {value}",
-                                r,
-                                self.nodes[r],
-                                method,
-                            ) from value
+                            raise _failed(r, self.nodes[r], method, value) from value
                         out[r] = value
                     elif not self._procs[r].is_alive():
                         self._raise_dead(r, method)
@@ -365,13 +369,7 @@ class RayWorkerGroup:
             outs = self._get(refs, method, self.timeout if timeout is None else timeout)
         for r, (status, value, _tb) in enumerate(outs):
             if status != "ok":
-                raise WorkerError(
-                    f"worker rank {r} on node {self.nodes[r]} failed in {method}: "
-                    f"{type(value).__name__}: {value}",
-                    r,
-                    self.nodes[r],
-                    method,
-                ) from value
+                raise _failed(r, self.nodes[r], method, value) from value
         return [v for _, v, _ in outs]
 
     def _get(self, refs: list[Any], method: str, timeout: float) -> list[Any]:
