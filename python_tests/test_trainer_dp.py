@@ -18,7 +18,9 @@ STEPS = 3
 KEYS = ("grpo/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 
 
-def _run(tmp, dp: int, tp: int, *extra: str, steps: int = STEPS) -> dict:
+def _run(tmp, dp: int, tp: int, *extra: str, steps: int = STEPS, after=None) -> dict:
+    """``steps`` steps (after the 2-step format warm-up) of the tiny demo: what the tests compare.
+    ``after(s)`` runs on the open session last (the fault test)."""
     from msrl_core.trainer.demo import prepare, warmup_hook
     from msrl_core.trainer.run import open_session
 
@@ -36,13 +38,16 @@ def _run(tmp, dp: int, tp: int, *extra: str, steps: int = STEPS) -> dict:
     try:
         metrics = [s.trainer.step(next(s.loader)) for _ in range(steps)]
         hf = {k: v.detach().clone().numpy() for k, v in s.trainer.hf_weights().items()}
-        return {
+        out = {
             "metrics": metrics,
             "hf": hf,
             "seen": s.engine.rows_seen(),
             "ranks": s.engine.ranks,
             "nodes": s.engine.group.nodes,
         }
+        if after is not None:
+            out["after"] = after(s)
+        return out
     finally:
         s.trainer.close()
         s.engine.close()
@@ -96,10 +101,57 @@ def shares_of(replicas: dict, stage: str) -> list:
     return [replicas[r][0][stage] for r in sorted(replicas)]
 
 
-def test_dp2_trains_as_dp1(dp1, tmp_path):
-    got = _run(tmp_path, 2, 1)
-    _check_equal(dp1, got)
-    _check_rows(got, 2, 1)
+def _kill_a_worker(s) -> dict:
+    """Kill worker rank 1 between two steps; the next step's outcome (time, error)."""
+    import os
+    import signal
+    import time
+
+    from msrl_core.trainer.stages import StageError
+    from msrl_core.trainer.workers import WorkerError
+
+    os.kill(s.engine.group.call("pid")[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        s.trainer.step(next(s.loader))
+    except (StageError, WorkerError) as e:
+        err = e.error if isinstance(e, StageError) else e
+    else:
+        err = None
+    took = time.monotonic() - t0
+    try:
+        s.engine.group.call("pid")
+        again = None
+    except WorkerError as e:
+        again = e
+    return {"error": err, "took": took, "again": again}
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("dp2"), 2, 1, "trainer.step_timeout_s=60", after=_kill_a_worker)
+
+
+def test_dp2_trains_as_dp1(dp1, dp2):
+    _check_equal(dp1, dp2)
+    _check_rows(dp2, 2, 1)
+
+
+def test_a_dead_worker_ends_the_step_naming_its_rank_and_node(dp2):
+    """A worker killed between two steps: the next step ends at once (trainer.step_timeout_s is 60 s) with
+    an error naming the rank, its node and the exit code; the broken group re-raises it on every call."""
+    import socket
+
+    from msrl_core.trainer.workers import WorkerError
+
+    err, took = dp2["after"]["error"], dp2["after"]["took"]
+    assert took < 30, took
+    assert isinstance(err, WorkerError) and err.rank == 1 and err.node == socket.gethostname(), err
+    assert f"worker rank 1 on node {socket.gethostname()} died" in str(err) and "exit code -9" in str(err), (
+        err
+    )
+    again = dp2["after"]["again"]
+    assert isinstance(again, WorkerError) and "rank 1 on node" in str(again) and "died" in str(again)
 
 
 @pytest.mark.slow
@@ -134,46 +186,3 @@ def test_dp2_on_two_ray_nodes_trains_as_dp1(dp1, two_nodes, tmp_path):
     for k in KEYS:
         assert got["metrics"][0][k] == pytest.approx(dp1["metrics"][0][k], rel=1e-5, abs=1e-6), k
     _check_rows(got, 2, 1, steps=1)
-
-
-def test_a_dead_worker_ends_the_step_naming_its_rank_and_node(tmp_path):
-    """A worker killed between two steps: the next step ends at once (well within trainer.step_timeout_s)
-    with a StageError whose message names the rank and its node; the group takes no further calls."""
-    import os
-    import signal
-    import socket
-    import time
-
-    from msrl_core.trainer.demo import prepare
-    from msrl_core.trainer.run import open_session
-    from msrl_core.trainer.stages import StageError
-    from msrl_core.trainer.workers import WorkerError
-
-    cfg, _ = prepare(
-        [
-            *trainer_util.TINY,
-            "actor.dp=2",
-            "trainer.val_every=0",
-            "trainer.step_timeout_s=60",
-            f"trainer.output_dir={tmp_path}",
-        ]
-    )
-    s = open_session(cfg, log=lambda _: None)
-    try:
-        s.trainer.step(next(s.loader))
-        pid = s.engine.group.call("pid")[1]
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises((StageError, WorkerError)) as info:
-            s.trainer.step(next(s.loader))
-        took = time.monotonic() - t0
-        assert took < 30, took
-        err = info.value.error if isinstance(info.value, StageError) else info.value
-        msg = str(err)
-        assert isinstance(err, WorkerError) and err.rank == 1 and err.node == socket.gethostname(), msg
-        assert f"worker rank 1 on node {socket.gethostname()} died" in msg and "exit code -9" in msg, msg
-        with pytest.raises(WorkerError, match="rank 1 on node .* died"):  # and stays broken
-            s.engine.group.call("pid")
-    finally:
-        s.trainer.close()
-        s.engine.close()
