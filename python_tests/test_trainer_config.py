@@ -170,6 +170,16 @@ def test_config_error_types_and_bad_files(tmp_path):
         (["rollout.tp=2"], r"rollout.engine='hf' samples with rollout.tp=1"),
         (["actor.engine=hf", "actor.tp=2"], r"actor.engine='hf' trains with tp=pp=ep=1"),
         (["actor.ep=2"], r"actor.ep=2 needs an MoE model"),
+        (["actor.engine=hf", "actor.dp=2"], r"actor.dp=2 needs actor.engine='megatron'"),
+        (["actor.dp=0"], r"actor.dp=0 must be >= 1"),
+        (["actor.dp=99"], r"actor.dp=99 exceeds data.global_batch_size="),
+        (["trainer.nnodes=2"], r"trainer.nnodes=2 needs trainer.workers='ray'"),
+        (
+            ["trainer.workers=ray", "trainer.nnodes=2", "actor.dp=3"],
+            r"trainer.nnodes=2 x trainer.devices_per_node=0",
+        ),
+        (["trainer.devices_per_node=3", "actor.dp=2"], r"must hold the world actor.dp x tp x pp x ep = 2"),
+        (["trainer.workers=gpu"], r"trainer.workers"),
         (
             ["actor.ppo_mini_batch_size=3"],
             r"actor.ppo_mini_batch_size=3 does not divide data.global_batch_size=8",

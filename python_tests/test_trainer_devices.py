@@ -73,9 +73,10 @@ def test_unavailable_device_is_a_clear_error(tmp_path, capsys):
 
 def test_hf_engines_on_the_selected_device():
     from msrl_core.reshard import to_hf
+    from msrl_core.trainer.actor import response_log_probs
     from msrl_core.trainer.config import ModelSection
     from msrl_core.trainer.engines.hf import HFSampler, HFTrainEngine
-    from msrl_core.trainer.grpo import pack, response_log_probs
+    from msrl_core.trainer.grpo import pack
 
     section = ModelSection(
         arch="llama", hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -97,6 +98,6 @@ def test_hf_engines_on_the_selected_device():
     assert toks[0].device.type == dev and len(toks[0]) == len(lps[0]) >= 1
     pk = pack([prompt.numpy()], [toks[0].cpu().numpy()], 0).to(eng.device)
     with torch.no_grad():
-        lp, _ = response_log_probs(eng, pk, slice(None), 1.0)
+        lp, _, _ = response_log_probs(eng, pk, slice(None), 1.0)
     n = len(toks[0])  # the sampler sampled with the weights the engine trains
     assert torch.allclose(lp[0, :n].cpu(), lps[0].cpu(), atol=1e-5)

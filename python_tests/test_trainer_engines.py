@@ -13,8 +13,9 @@ pytest.importorskip("transformers")
 
 import msrl_core  # noqa: E402
 from msrl_core.reshard import Parallel, to_hf  # noqa: E402
+from msrl_core.trainer.actor import response_log_probs  # noqa: E402
 from msrl_core.trainer.config import ModelSection  # noqa: E402
-from msrl_core.trainer.grpo import pack, response_log_probs  # noqa: E402
+from msrl_core.trainer.grpo import pack  # noqa: E402
 from msrl_core.trainer.metrics import StageClock  # noqa: E402
 from msrl_core.trainer.stages import STREAMING, StageError, StageRunner, grpo_stages, make_dock  # noqa: E402
 from msrl_core.trainer.task import (  # noqa: E402
@@ -161,7 +162,7 @@ def test_hf_engine_matches_sampler_over_allgather_swap_views():
     assert all(torch.equal(before[k], v) for k, v in eng.params.items())
     pk = pack([p.numpy() for p in prompts], [t.numpy() for t in toks], 0)
     with torch.no_grad():
-        lp, _ = response_log_probs(eng, pk, slice(None), 1.0)
+        lp, _, _ = response_log_probs(eng, pk, slice(None), 1.0)
     for i in range(2):
         n = len(toks[i])
         assert torch.allclose(lp[i, :n], lps[i], atol=1e-5), (lp[i, :n], lps[i])

@@ -73,16 +73,6 @@ def test_missing_extra_is_one_line_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_rpc_header_carries_floats_as_floats():
-    from msrl_core.trainer.engines.megatron import pack_header, unpack_header
-
-    lr, wd = 3e-14, 0.1 + 1e-17
-    hdr = pack_header(9, 1, (4, 5), ints=(1, 64 << 20), floats=(lr, wd))
-    assert hdr.dtype == torch.int64 and hdr.numel() == 10
-    assert unpack_header(hdr) == (9, 1, (4, 5), (1, 64 << 20), (lr, wd))  # bit for bit
-    assert unpack_header(pack_header(4, floats=(1e-300, 7.25)))[4] == (1e-300, 7.25)
-
-
 def _section(**kw) -> ModelSection:
     base = dict(
         arch="qwen2", vocab_size=32, hidden_size=16, ffn_hidden_size=32, num_layers=1, num_attention_heads=2,
@@ -167,6 +157,7 @@ LOSS_KEYS = {
 RUN_KEYS = {
     "actor.engine": "test_trainer_e2e.py::test_megatron_tp2_short_run",
     "actor.tp": "test_trainer_e2e.py::test_megatron_tp2_short_run",
+    "actor.dp": "test_trainer_dp.py::test_dp2_trains_as_dp1",
     "dock.backend": "test_trainer_e2e.py::test_ray_dock_same_schema",
     "trainer.steps": "test_trainer_e2e.py::test_hf_engine_short_run",
     "trainer.output_dir": "test_trainer_e2e.py::test_hf_engine_short_run",
@@ -216,6 +207,9 @@ STEP_KEYS = {
     "trainer.seed": 7,
     "trainer.device": "cuda" if not torch.cuda.is_available() else "npu",
     "trainer.step_timeout_s": 1e-6,
+    "trainer.workers": "ray",  # the HF engine runs in the driver: rejected
+    "trainer.nnodes": 2,  # local workers run on one node: rejected
+    "trainer.devices_per_node": 2,  # 1 node x 2 does not hold a world of 1: rejected
 }
 
 
@@ -296,13 +290,14 @@ def _one_step(overrides: list[str], out: Path, data: tuple[str, str, str]):
         return ("rejected", str(e))
     try:
         calls = [0]
-        logits = s.engine.logits
+        engine = s.engine.engine  # the HF engine inside the trainer's LocalActor
+        logits = engine.logits
 
         def counted(tokens):
             calls[0] += 1
             return logits(tokens)
 
-        s.engine.logits = counted
+        engine.logits = counted
         s.trainer.runner.deadline_s = cfg.trainer.step_timeout_s
         try:
             m = s.trainer.step(next(s.loader), s.val_records or None)
@@ -310,9 +305,7 @@ def _one_step(overrides: list[str], out: Path, data: tuple[str, str, str]):
             return ("failed", type(e).__name__)
         keep = {k: round(v, 6) for k, v in m.items() if not k.startswith("timing/") and "_us" not in k}
         keep.pop("e2e_tps", None)
-        weights = hashlib.sha256(
-            b"".join(v.float().numpy().tobytes() for v in s.engine.state_dict().values())
-        )
+        weights = hashlib.sha256(b"".join(v.float().numpy().tobytes() for v in engine.state_dict().values()))
         stats = s.trainer.dock.stats()
         return ("ran", keep, weights.hexdigest(), calls[0], len(stats["warehouses"]), stats["capacity"])
     finally:

@@ -54,35 +54,53 @@ def save_hf(views: dict[str, Any], hf_config: Any, out: Path, tokenizer: Any = N
         save_tokenizer(out, tokenizer)
 
 
-def save(
+def save_rank(
     run_dir: str | os.PathLike[str],
     step: int,
     rank: int,
     train_state: dict[str, Any],
     optimizer_state: dict[str, Any],
-    trainer_state: dict[str, Any] | None,
-    hf: tuple[dict[str, Any], Any, Any] | None,
-) -> Path:
-    """Save one rank's part of the checkpoint of ``step`` (rank 0 also writes the HF weights and the
-    trainer state). Returns the final directory."""
+) -> None:
+    """One rank's shard and optimizer state of the checkpoint of ``step``, into its temporary directory
+    (every rank, in its own process; :func:`finish` completes the checkpoint)."""
     from safetensors.torch import save_file
 
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = _tmp_dir(run_dir, step)
     (tmp / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
     save_file(
-        {k: v.detach().clone().contiguous() for k, v in train_state.items()},
+        {k: v.detach().cpu().clone().contiguous() for k, v in train_state.items()},
         str(tmp / TRAIN_STATE / f"rank{rank}.safetensors"),
     )
     torch.save(optimizer_state, tmp / TRAIN_STATE / f"optimizer_rank{rank}.pt")
+
+
+def finish(
+    run_dir: str | os.PathLike[str],
+    step: int,
+    trainer_state: dict[str, Any],
+    hf: tuple[dict[str, Any], Any, Any] | None,
+) -> Path:
+    """After every rank's :func:`save_rank`: the HF weights and the trainer state, then the rename that
+    makes the checkpoint of ``step`` complete. Returns the final directory."""
+    final = step_dir(run_dir, step)
+    tmp = _tmp_dir(run_dir, step)
     if hf is not None:
         save_hf(*hf[:2], tmp, tokenizer=hf[2])
-    if trainer_state is not None:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
     return final
+
+
+def _tmp_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    final = step_dir(run_dir, step)
+    return final.with_name(final.name + ".tmp")
+
+
+def trainer_state(path: Path) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint directory."""
+    return json.loads((path / "trainer_state.json").read_text())
 
 
 def latest(run_dir: str | os.PathLike[str]) -> Path | None:

@@ -42,6 +42,7 @@ CHOICES: Mapping[str, tuple[str, ...]] = {
     "algorithm.adv_estimator": ("grpo",),
     "dock.backend": ("local", "ray"),
     "trainer.device": ("auto", "cpu", "cuda", "npu"),
+    "trainer.workers": ("local", "ray"),
 }
 
 
@@ -82,6 +83,7 @@ class ActorSection:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    dp: int = 1  # data-parallel replicas (world = dp x tp x pp x ep worker processes)
     lr: float = 1e-6
     weight_decay: float = 0.01
     clip_grad: float = 1.0
@@ -171,6 +173,9 @@ class TrainerSection:
     device: str = "auto"
     tensorboard: bool = False
     step_timeout_s: float = 600.0  # deadline of one step's stages; a stuck worker fails the step
+    workers: str = "local"  # where the training ranks run: local processes, or Ray actors in placement groups
+    nnodes: int = 1  # Ray placement groups, one per node (verl's trainer.nnodes)
+    devices_per_node: int = 0  # ranks per node (verl's n_gpus_per_node); 0: world / nnodes
 
 
 @dataclass
@@ -376,6 +381,7 @@ _AT_LEAST_ONE = [
     "model.num_attention_heads",
     "model.num_query_groups",
     "model.max_position_embeddings",
+    "actor.dp",
     "actor.tp",
     "actor.pp",
     "actor.ep",
@@ -389,6 +395,7 @@ _AT_LEAST_ONE = [
     "data.global_batch_size",
     "dock.warehouses",
     "reshard.bucket_mb",
+    "trainer.nnodes",
     "trainer.steps",
     "rollout.claim_groups",
     "model.make_vocab_size_divisible_by",
@@ -398,6 +405,7 @@ _AT_LEAST_ZERO = (
     "model.moe_intermediate_size",
     "trainer.save_every",
     "trainer.val_every",
+    "trainer.devices_per_node",
 )
 
 
@@ -496,6 +504,39 @@ def _check_parallel(cfg: TrainerConfig, problems: list[str]) -> None:
         problems.append(f"actor.engine='hf' trains with tp=pp=ep=1; got tp={a.tp}, pp={a.pp}, ep={a.ep}")
     if r.engine == "hf" and r.tp != 1:
         problems.append(f"rollout.engine='hf' samples with rollout.tp=1; got rollout.tp={r.tp}")
+    _check_placement(cfg, problems)
+
+
+def _check_placement(cfg: TrainerConfig, problems: list[str]) -> None:
+    """Data parallelism runs on the Megatron engine's workers; the nodes hold the world exactly."""
+    a, t = cfg.actor, cfg.trainer
+    world = a.dp * a.tp * a.pp * a.ep
+    if a.dp > 1 and a.engine != "megatron":
+        problems.append(f"actor.dp={a.dp} needs actor.engine='megatron' (the HF engine runs one replica)")
+    if a.dp > 1 and a.ep > 1:
+        problems.append(
+            f"actor.dp={a.dp} with actor.ep={a.ep}: data parallelism of MoE experts is not built; "
+            "use one of them"
+        )
+    if a.dp > cfg.data.global_batch_size:
+        problems.append(
+            f"actor.dp={a.dp} exceeds data.global_batch_size={cfg.data.global_batch_size}: every replica "
+            "needs at least one prompt group per step"
+        )
+    if t.workers == "local" and t.nnodes != 1:
+        problems.append(
+            f"trainer.nnodes={t.nnodes} needs trainer.workers='ray' (local workers run on one node)"
+        )
+    per_node = t.devices_per_node or (world // t.nnodes if world % t.nnodes == 0 else 0)
+    if per_node * t.nnodes != world:
+        problems.append(
+            f"trainer.nnodes={t.nnodes} x trainer.devices_per_node={t.devices_per_node} must hold the world "
+            f"actor.dp x tp x pp x ep = {world} exactly"
+        )
+    if t.workers == "ray" and a.engine != "megatron":
+        problems.append(
+            "trainer.workers='ray' places the Megatron engine's ranks; actor.engine='hf' runs in the driver"
+        )
 
 
 def _check_batches(cfg: TrainerConfig, problems: list[str]) -> None:

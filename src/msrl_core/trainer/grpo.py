@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from msrl_core import Ragged
-from msrl_core.reshard import to_hf
+from msrl_core.trainer import actor as A_
 from msrl_core.trainer import algorithm as A
+from msrl_core.trainer.actor import LocalActor
 from msrl_core.trainer.config import rows_per_mini_batch, rows_per_step
 from msrl_core.trainer.metrics import StageClock, e2e_tps, overlap_timings
 from msrl_core.trainer.reward import score_record
@@ -94,18 +95,6 @@ def ragged(values: torch.Tensor, lengths: torch.Tensor, dtype: Any) -> Ragged:
     return Ragged.from_lengths(values[mask].detach().cpu().numpy().astype(dtype), lengths.cpu().numpy())
 
 
-def response_log_probs(
-    engine: Any, pk: Packed, rows: Any, temperature: float, entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the response tokens of ``rows`` under ``engine`` at ``temperature``."""
-    L = int(pk.pos[rows].max()) + 2
-    logits = engine.logits(pk.tokens[rows, :L])  # pk is on the engine's device
-    V = logits.shape[-1]
-    at = torch.gather(logits, 1, pk.pos[rows].unsqueeze(-1).expand(-1, -1, V)) / temperature
-    lp = A.log_probs_from_logits(at, pk.responses[rows])
-    return lp, (A.entropy_from_logits(at) if entropy else None)
-
-
 #: The update's token count (prompt + response tokens of the step), for ``e2e_tps``.
 TOKENS = "_tokens"
 
@@ -135,6 +124,7 @@ def stage_table(cfg: Any) -> list[Any]:
         claim_groups=cfg.rollout.claim_groups,
         use_reference=cfg.actor.kl_loss_coef != 0.0,
         recompute_old=not on_policy(cfg),
+        dp=cfg.actor.dp,
     )
 
 
@@ -197,7 +187,8 @@ class GRPOTrainer:
     list through the dock's ``index`` column. ``reward_fn`` is called through
     :func:`msrl_core.trainer.reward.score_record` (either signature; failures name the function and the
     prompt). ``sampler_factory(views)`` builds the rollout engine over the HF-layout views that
-    ``allgather_swap`` fills.
+    ``allgather_swap`` fills. ``train_engine``: an :class:`msrl_core.trainer.actor.Actor` (the Megatron
+    engine's worker group, or an in-process engine wrapped in ``LocalActor``).
     """
 
     def __init__(
@@ -214,7 +205,7 @@ class GRPOTrainer:
         self.cfg, self.tok = cfg, tokenizer
         self.records = records
         self.reward_fn = reward_fn
-        self.engine = train_engine
+        self.engine = train_engine if hasattr(train_engine, "rollout_buffer") else LocalActor(train_engine)
         self.swap_enabled = cfg.reshard.swap if swap is None else swap
         self.n = cfg.rollout.n
         self.batch_rows = rows_per_step(cfg)
@@ -223,12 +214,23 @@ class GRPOTrainer:
         a = cfg.actor
         self.on_policy = on_policy(cfg)
         self.use_reference = a.kl_loss_coef != 0.0
-        self.ref_engine = self.engine.frozen_copy() if self.use_reference else None
+        if self.use_reference:
+            self.engine.make_reference()
         self.engine.init_optimizer(a.lr, a.weight_decay)
+        self.settings = A_.UpdateSettings(
+            pad_id=tokenizer.pad_id,
+            temperature=self.temperature,
+            on_policy=self.on_policy,
+            use_reference=self.use_reference,
+            clip_grad=a.clip_grad,
+            micro_batch_size=a.micro_batch_size,
+            loss=loss_settings(a),
+        )
         # the rollout engine's weights: the HF-layout buffer allgather_swap fills (allocated once)
-        self.device = train_engine.device  # a torch.device: the engines' tensors live there
-        self.plan = to_hf(self.engine.model_config, self.engine.parallel)
-        self.flat, self.views = self.plan.allocate_inference(device=self.device)
+        self.device = self.engine.device  # a torch.device: the rollout buffer lives there
+        self.flat: torch.Tensor
+        self.views: dict[str, torch.Tensor]
+        self.flat, self.views = self.engine.rollout_buffer()
         self.sampler = sampler_factory(self.views)
         self.stages = stage_table(cfg)
         opts = dict(dock_options or {})
@@ -236,6 +238,8 @@ class GRPOTrainer:
             opts.setdefault("ray_address", cfg.dock.ray_address)
         elif cfg.dock.backend == "ray":  # no Ray running: a small loopback one (the dock starts it)
             opts.setdefault("ray_init", LOOPBACK_RAY)
+        if cfg.actor.dp > 1:  # the replicas' shares are balanced by their response tokens
+            opts.setdefault("balance_by", "responses")
         self.dock = make_dock(
             self.stages, self.batch_rows, self.n, cfg.dock.warehouses, backend=cfg.dock.backend, **opts
         )
@@ -277,77 +281,44 @@ class GRPOTrainer:
             "rollout_log_prob": ragged(lps, lengths, np.float32),
         }
 
-    def _logp_of(self, engine: Any, batch: Any) -> Ragged:
-        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(self.device)
-        with torch.no_grad():
-            lp, _ = response_log_probs(engine, pk, slice(None), self.temperature)
-        return ragged(lp, pk.mask.sum(1).long(), np.float32)
+    def _logp_of(self, model: str, batches: list[Any]) -> list[dict[str, Any]]:
+        """Per replica, the log-probs of its rows under ``model`` (each replica computes its own share)."""
+        shares = [A_.share_of(b, ("prompts", "responses")) if b is not None else _EMPTY for b in batches]
+        col = "ref_log_prob" if model == "reference" else "old_log_prob"
+        lps = self.engine.log_probs(model, shares, self.tok.pad_id, self.temperature)
+        return [
+            {col: ragged(lp, sh["responses"].lengths, np.float32)} if len(sh["rows"]) else {}
+            for lp, sh in zip(lps, shares)
+        ]
 
-    def _reference(self, batch: Any) -> dict[str, Any]:
-        return {"ref_log_prob": self._logp_of(self.ref_engine, batch)}
+    def _reference(self, batches: list[Any]) -> list[dict[str, Any]]:
+        return self._logp_of("reference", batches)
 
-    def _old_log_p(self, batch: Any) -> dict[str, Any]:
-        return {"old_log_prob": self._logp_of(self.engine, batch)}
+    def _old_log_p(self, batches: list[Any]) -> list[dict[str, Any]]:
+        return self._logp_of("policy", batches)
 
-    def _update(self, batch: Any) -> tuple[None, dict[str, list[float]]]:
-        a = self.cfg.actor
-        dev = self.device
-        pk = pack(batch["prompts"], batch["responses"], self.tok.pad_id).to(dev)
-        R = pk.mask.shape[1]
-        adv = torch.as_tensor(np.asarray(batch["advantages"])).to(dev)
-        rollout_lp = padded(batch["rollout_log_prob"], R).to(dev)
-        ref_lp = padded(batch["ref_log_prob"], R).to(dev) if self.use_reference else None
-        old_lp = None if self.on_policy else padded(batch["old_log_prob"], R).to(dev)
-        order = A.mini_batches(len(adv), self.mini_batch_rows, a.ppo_epochs, seed=self._step_seed())
-        micro = a.micro_batch_size
-        sums: dict[str, list[float]] = {}
-        first_old = torch.zeros_like(rollout_lp)
-        for mb_i, mb in enumerate(order):
-            self.engine.zero_grad()
-            mbt = torch.as_tensor(mb, device=dev)
-            ntok, nseq = float(pk.mask[mbt].sum()), float(len(mb))
-            acc: dict[str, float] = {}
-            for s in range(0, len(mb), micro):
-                rows = mbt[s : s + micro]
-                lp, ent = response_log_probs(self.engine, pk, rows, self.temperature, entropy=True)
-                if old_lp is None:  # exactly on-policy: this forward (before any optimizer step) is the old
-                    old = lp.detach()
-                    if mb_i == 0:
-                        first_old[rows] = old
-                else:
-                    old = old_lp[rows]
-                loss, m = A.actor_loss(
-                    lp,
-                    old,
-                    None if ref_lp is None else ref_lp[rows],
-                    adv[rows],
-                    pk.mask[rows],
-                    ent,
-                    **loss_settings(a),
-                    num_tokens=ntok,
-                    num_seqs=nseq,
-                )
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite actor loss {float(loss)} at step {self.step_index}")
-                loss.backward()
-                for k, v in m.items():  # micro-batch shares: they sum to the mini-batch's value
-                    acc[k] = acc.get(k, 0.0) + v
-            acc["actor/grad_norm"] = self.engine.clip_and_step(a.clip_grad)
-            for k, v in acc.items():
-                sums.setdefault(k, []).append(v)
-        trainer_lp = first_old if old_lp is None else old_lp
-        d = (trainer_lp - rollout_lp).abs()[pk.mask.bool()]
-        out = {k: [float(np.mean(v))] for k, v in sums.items()}
-        out["training/rollout_probs_diff_max"] = [float(d.max()) if d.numel() else 0.0]
-        out["training/rollout_probs_diff_mean"] = [float(d.mean()) if d.numel() else 0.0]
-        out["response_length/mean"] = [float(pk.mask.sum(1).mean())]
-        out[TOKENS] = [float(pk.mask.sum()) + float(np.asarray(batch["prompts"].lengths).sum())]
+    def _update(self, batches: list[Any]) -> tuple[None, dict[str, list[float]]]:
+        """The update of the step: each replica trains on its share of the rows (DP-aware claims), the
+        gradients summed over the replicas (see :mod:`msrl_core.trainer.actor`)."""
+        spec = next(s for s in self.stages if s.name == "update")
+        shares = [A_.share_of(b, spec.reads) if b is not None else _EMPTY for b in batches]
+        lengths = [
+            sh["responses"].lengths.numpy() if len(sh["rows"]) else np.zeros(0, np.int64) for sh in shares
+        ]
+        plans = A_.mini_batch_plan(
+            lengths, self.mini_batch_rows, self.cfg.actor.ppo_epochs, self._step_seed()
+        )
+        out = self.engine.update(shares, plans, self.settings)
+        resp = float(sum(int(x.sum()) for x in lengths))
+        prompt = float(sum(int(sh["prompts"].lengths.sum()) for sh in shares if len(sh["rows"])))
+        out["response_length/mean"] = [resp / self.batch_rows]
+        out[TOKENS] = [resp + prompt]
         return None, out
 
     # ---- weights ------------------------------------------------------------------------------------
 
-    def _switch_to_rollout(self, swap: bool) -> Any:
-        return self.engine.switch(self.flat, self.plan, self.cfg.reshard.bucket_mb << 20, swap)
+    def _switch_to_rollout(self, swap: bool) -> dict[str, Any]:
+        return self.engine.switch(self.cfg.reshard.bucket_mb << 20, swap)
 
     def hf_weights(self) -> dict[str, Any]:
         """The current policy in the Hugging Face layout (``to_hf`` through ``allgather_swap``, no swap)."""
@@ -360,12 +331,10 @@ class GRPOTrainer:
         """The rollout engine holds the policy inside this block (the training copy swapped out to pinned
         host memory); on leaving it, also on an error, the training weights come back (the one place)."""
         t = time.perf_counter()
-        swap = self._switch_to_rollout(self.swap_enabled)
+        telemetry = self._switch_to_rollout(self.swap_enabled)
         self.sampler.on_switch()  # a live engine (vLLM) loads the switched weights; HF reads the views
         metrics["timing/resharding_to_infer"] = time.perf_counter() - t
-        metrics.update(
-            {f"reshard/{k}": float(v) for k, v in swap.telemetry.items() if isinstance(v, (int, float))}
-        )
+        metrics.update({f"reshard/{k}": float(v) for k, v in telemetry.items()})
         try:
             yield
         finally:
@@ -458,17 +427,11 @@ class GRPOTrainer:
         self.dock.shutdown()
 
     def world_size(self) -> int:
-        p = self.engine.parallel
-        return p.tp * p.pp * p.ep
+        return self.engine.world_size()
 
-    # ---- checkpoint state ------------------------------------------------------------------------------
 
-    def optimizer_state(self) -> dict[str, Any]:
-        return self.engine.optimizer_state()
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.engine.load_optimizer_state(state)
-
+#: The share of a replica that got no rows this round.
+_EMPTY: dict[str, Any] = {"rows": np.zeros(0, np.int64)}
 
 #: ``ray.init`` arguments of the loopback Ray started when ``dock.backend=ray`` and no address is given.
 LOOPBACK_RAY = {

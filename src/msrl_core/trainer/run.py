@@ -49,15 +49,33 @@ def resolve_device(cfg: Any) -> str:
 
 
 def build_engine(cfg: TrainerConfig, seed: int, device: str = "cpu") -> Any:
-    """The training engine of ``actor.engine`` (``hf``: transformers, TP 1; ``megatron``: megatron-core)
-    on ``device`` (a resolved ``trainer.device``)."""
+    """The trained policy (an :class:`msrl_core.trainer.actor.Actor`) of ``actor.engine``: ``megatron``, the
+    megatron-core ranks (``actor.dp`` x ``tp`` x ``pp`` x ``ep``) as workers of a worker group (local
+    processes or Ray actors, ``trainer.workers``); ``hf``, transformers in this process (one replica)."""
+    from msrl_core.trainer.actor import LocalActor, WorkerActor
+
     if cfg.actor.engine == "hf":
         from msrl_core.trainer.engines.hf import HFTrainEngine
 
-        return HFTrainEngine(cfg.model, seed=seed, device=device)
-    from msrl_core.trainer.engines.megatron import MegatronTrainEngine
+        return LocalActor(HFTrainEngine(cfg.model, seed=seed, device=device))
+    if cfg.trainer.workers == "ray":
+        _ensure_ray(cfg)
+    return WorkerActor(cfg, seed=seed, device=device)
 
-    return MegatronTrainEngine(cfg, model_config(cfg.model), seed=seed, device=device)
+
+def _ensure_ray(cfg: TrainerConfig) -> None:
+    """Ray for the workers: the cluster at ``dock.ray_address`` when given, else the running one, else a
+    small loopback one (as the Ray dock starts)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    from msrl_core.trainer.grpo import LOOPBACK_RAY
+
+    if cfg.dock.ray_address:
+        ray.init(address=cfg.dock.ray_address, log_to_driver=False)
+    else:
+        ray.init(**LOOPBACK_RAY)  # type: ignore[arg-type]
 
 
 def sampler_factory(cfg: TrainerConfig, device: str = "cpu") -> Callable[[dict[str, Any]], Any]:
@@ -212,19 +230,14 @@ def open_session(
     trainer = GRPOTrainer(
         cfg, tok, train_records, reward_fn, engine, make_sampler, swap=swap, dock_options=dock_options
     )
-    rank = getattr(engine, "rank", 0)
-    return Session(cfg, run_dir, tok, train_records, val_records, engine, trainer, loader, rank)
+    return Session(cfg, run_dir, tok, train_records, val_records, engine, trainer, loader, 0)
 
 
 def resume(s: Session, path: Path) -> int:
-    """Load the checkpoint at ``path`` into every rank's engines, the optimizer and the loader; returns the
-    step to continue at."""
-    state, opt, tstate = ckpt.load(path, s.rank)
-    s.engine.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("policy/")})
-    if s.trainer.ref_engine is not None:
-        s.trainer.ref_engine.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("ref/")})
-    s.trainer.load_optimizer_state(opt)
-    s.engine.load_followers(path)  # the other ranks' shards (Megatron TP > 1)
+    """Load the checkpoint at ``path`` into every rank's engines (policy, reference, optimizer) and the
+    loader; returns the step to continue at."""
+    tstate = ckpt.trainer_state(path)
+    s.engine.load(str(path))
     s.loader.load_state_dict(tstate["loader"])
     step = int(tstate["step"])
     s.trainer.step_index = step
@@ -232,19 +245,15 @@ def resume(s: Session, path: Path) -> int:
 
 
 def save(s: Session, step: int) -> Path:
-    """The checkpoint of ``step``: every rank's shards, rank 0's HF directory and trainer state."""
-    engine, trainer = s.engine, s.trainer
-    tensors = {f"policy/{k}": v for k, v in engine.state_dict().items()}
-    if trainer.ref_engine is not None:
-        tensors.update({f"ref/{k}": v for k, v in trainer.ref_engine.state_dict().items()})
-    engine.save_followers(step)
-    hf = None
-    if s.rank == 0:
-        from msrl_core.trainer.hf_build import checkpoint_config
+    """The checkpoint of ``step``: every rank's shards (each in its own process), then the HF directory and
+    the trainer state."""
+    from msrl_core.trainer.hf_build import checkpoint_config
 
-        hf = (trainer.hf_weights(), checkpoint_config(s.cfg.model, s.tokenizer), s.tokenizer)
-    state = {"step": step, "loader": s.loader.state_dict(), "time": time.time()} if s.rank == 0 else None
-    return ckpt.save(s.run_dir, step, s.rank, tensors, trainer.optimizer_state(), state, hf)
+    trainer = s.trainer
+    s.engine.save(str(s.run_dir), step)
+    hf = (trainer.hf_weights(), checkpoint_config(s.cfg.model, s.tokenizer), s.tokenizer)
+    state = {"step": step, "loader": s.loader.state_dict(), "time": time.time()}
+    return ckpt.finish(s.run_dir, step, state, hf)
 
 
 def train(

@@ -20,6 +20,7 @@ reward function is imported again inside the actor, see :class:`msrl_core.traine
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 import traceback
@@ -50,6 +51,7 @@ class StageSpec:
     rows_per_claim: int  # rows claimed at a time (whole groups); the full batch for the update
     placement: str = "trainer"  # "trainer": beside the engines; "actor": a Ray actor (Ray dock)
     layout: str = "packed"  # how ragged columns are fetched: "packed" (Ragged) or "padded" (torch, one call)
+    dp: int = 0  # 0: one worker; D >= 1: a stage of the D data-parallel replicas (DP-aware claims)
 
 
 #: Where a stage may run: beside the training process's engines, or anywhere (a Ray actor).
@@ -72,17 +74,24 @@ COLUMNS: dict[str, Column] = {
 
 
 def grpo_stages(
-    batch_rows: int, group_size: int, claim_groups: int, use_reference: bool, recompute_old: bool
+    batch_rows: int,
+    group_size: int,
+    claim_groups: int,
+    use_reference: bool,
+    recompute_old: bool,
+    dp: int = 0,
 ) -> list[StageSpec]:
     """The GRPO iteration as data. ``use_reference``: the KL loss needs the reference policy.
     ``recompute_old``: off-policy updates (several mini-batches or epochs) need the old log-probs
-    recomputed by the trainer; exactly on-policy, the update's own first forward is the old policy."""
+    recomputed by the trainer; exactly on-policy, the update's own first forward is the old policy.
+    ``dp`` >= 1: the model stages (reference, old_log_p, update) claim for that many replicas at once and
+    their work takes one batch per replica (0: one batch, as a plain stage)."""
     chunk = min(batch_rows, claim_groups * group_size)
     upd_reads = ["prompts", "responses", "rollout_log_prob", "advantages"]
     table = [StageSpec("rollout", ("prompts",), ("responses", "rollout_log_prob"), chunk)]
     if use_reference:
         table.append(
-            StageSpec("reference", ("prompts", "responses"), ("ref_log_prob",), chunk, layout=PADDED)
+            StageSpec("reference", ("prompts", "responses"), ("ref_log_prob",), chunk, layout=PADDED, dp=dp)
         )
         upd_reads.append("ref_log_prob")
     table.append(
@@ -91,10 +100,10 @@ def grpo_stages(
     table.append(StageSpec("adv", ("scores",), ("advantages",), chunk, placement="actor"))
     if recompute_old:
         table.append(
-            StageSpec("old_log_p", ("prompts", "responses"), ("old_log_prob",), chunk, layout=PADDED)
+            StageSpec("old_log_p", ("prompts", "responses"), ("old_log_prob",), chunk, layout=PADDED, dp=dp)
         )
         upd_reads.append("old_log_prob")
-    table.append(StageSpec("update", tuple(upd_reads), (), batch_rows, layout=PADDED))
+    table.append(StageSpec("update", tuple(upd_reads), (), batch_rows, layout=PADDED, dp=dp))
     return table
 
 
@@ -137,6 +146,14 @@ def work_loop(
     total, done = dock.capacity, 0
     while done < total:
         check()
+        if spec.dp >= 1:
+            n = _replica_round(
+                dock, spec, work, min(spec.rows_per_claim * spec.dp, total - done), count, report
+            )
+            if n:
+                record(spec.name, *n[1:])
+                done += n[0]
+            continue
         want = min(spec.rows_per_claim, total - done)
         try:
             meta = dock.claim(spec.name, max_rows=want, timeout=0.1, min_rows=want)
@@ -144,16 +161,9 @@ def work_loop(
             continue
         t0 = time.perf_counter()
         count("claim")
-        if spec.layout == PADDED:
-            batch = dock.fetch(meta, list(spec.reads), layout=PADDED, output="torch")
-        else:
-            batch = dock.fetch(meta, list(spec.reads))
+        batch = _fetch(dock, spec, meta)
         count("fetch")
-        out = work(batch)
-        if isinstance(out, tuple):
-            out, metrics = out
-            if report is not None:
-                report(metrics)
+        out = _run_work(work, batch, report)
         if spec.writes:
             if out is None:
                 raise RuntimeError(f"stage {spec.name} returned nothing; it must write {spec.writes}")
@@ -161,6 +171,72 @@ def work_loop(
             count("put")
         record(spec.name, t0, time.perf_counter())
         done += len(meta)
+
+
+_ROUNDS = itertools.count()
+
+
+def _run_work(work: Work, batch: Any, report: Report | None) -> Any:
+    """``work(batch)``'s outputs; the metrics of an ``(outputs, metrics)`` pair go to ``report``."""
+    out = work(batch)
+    if isinstance(out, tuple):
+        out, metrics = out
+        if report is not None:
+            report(metrics)
+    return out
+
+
+def _fetch(dock: Dock, spec: StageSpec, meta: Any) -> Any:
+    if spec.layout == PADDED:
+        return dock.fetch(meta, list(spec.reads), layout=PADDED, output="torch")
+    return dock.fetch(meta, list(spec.reads))
+
+
+def _replica_round(
+    dock: Dock,
+    spec: StageSpec,
+    work: Work,
+    want: int,
+    count: Callable[[str], None],
+    report: Report | None,
+) -> tuple[int, float, float] | None:
+    """One round of a replica stage: ``want`` ready rows (whole groups) split over the ``spec.dp``
+    replicas by the dock's DP-aware claims (token-balanced by its ``balance_by`` column; one replica: a
+    plain claim); ``work`` gets one batch per replica (None for an empty share) and returns one output
+    per replica (and metrics). Returns (rows, start, end), or None when fewer than ``want`` were ready."""
+    D = spec.dp
+    try:
+        if D == 1:
+            metas = [dock.claim(spec.name, max_rows=want, timeout=0.1, min_rows=want)]
+        else:
+            # the dock's DP sizes are per replica: the round takes D x max_rows at most, D x min_rows at least
+            b, least = f"{spec.name}:{next(_ROUNDS)}", -(-want // D)
+            metas = [
+                dock.claim(
+                    spec.name, max_rows=want, timeout=0.1, min_rows=least, dp_rank=r, dp_size=D, batch=b
+                )
+                for r in range(D)
+            ]
+    except Timeout:
+        return None
+    t0 = time.perf_counter()
+    for _ in metas:
+        count("claim")
+    batches = [_fetch(dock, spec, m) if len(m) else None for m in metas]
+    for m in metas:
+        if len(m):
+            count("fetch")
+    out = _run_work(work, batches, report)
+    if spec.writes:
+        if out is None or len(out) != D:
+            raise RuntimeError(
+                f"stage {spec.name} must return one output per replica ({D}) with {spec.writes}"
+            )
+        for m, o in zip(metas, out):
+            if len(m):
+                dock.put(dict(o), rows=m)
+                count("put")
+    return sum(len(m) for m in metas), t0, time.perf_counter()
 
 
 class StageRunner:

@@ -11,9 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
-
-from msrl_core.trainer.algorithm import log_probs_from_logits
 
 
 def format_warmup(
@@ -26,11 +23,10 @@ def format_warmup(
     lr: float,
     seed: int,
 ) -> list[float]:
-    """Cross-entropy on ``prompt -> random answer from answer_set + <eos>``; returns the losses."""
+    """Cross-entropy on ``prompt -> random answer from answer_set + <eos>`` (``engine``: the trainer's
+    :class:`msrl_core.trainer.actor.Actor`, every replica a share of each batch); returns the losses."""
     if steps <= 0:
         return []
-    from msrl_core.trainer.grpo import pack
-
     rng = np.random.default_rng(seed)
     engine.init_optimizer(lr, 0.0)
     losses = []
@@ -39,15 +35,5 @@ def format_warmup(
         ai = rng.integers(0, len(answer_set), size=batch_size)
         ps = [np.asarray(tokenizer.encode(prompts[i]), np.int64) for i in pi]
         rs = [np.asarray(tokenizer.encode_response(answer_set[j]) + [tokenizer.eos_id], np.int64) for j in ai]
-        pk = pack(ps, rs, tokenizer.pad_id)
-        logits = engine.logits(pk.tokens)
-        pk = pk.to(logits.device)
-        V = logits.shape[-1]
-        at = torch.gather(logits, 1, pk.pos.unsqueeze(-1).expand(-1, -1, V))
-        lp = log_probs_from_logits(at, pk.responses)
-        loss = -(lp * pk.mask).sum() / pk.mask.sum()
-        engine.zero_grad()
-        loss.backward()
-        engine.clip_and_step(0.0)
-        losses.append(float(loss.detach()))
+        losses.append(engine.sft_step(ps, rs, tokenizer.pad_id))
     return losses
