@@ -254,14 +254,14 @@ class TcpTally:
 
     def __init__(self, interval: float = 1.0):
         self.interval = interval
-        self.first: dict = {}
+        self.first: dict | None = None  # None until the first sample (which may find no socket at all)
         self.last: dict = {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
         snap = ss_snapshot()
-        if not self.first and not self.last:
+        if self.first is None:
             self.first = dict(snap)
         self.last.update(snap)
 
@@ -284,7 +284,7 @@ class TcpTally:
         out = []
         for (loc, peer), (pid, got) in self.last.items():
             peer_pid = self.last.get((peer, loc), (-1, 0))[0]
-            start = self.first.get((loc, peer), (pid, 0))[1]
+            start = (self.first or {}).get((loc, peer), (pid, 0))[1]
             if got > start:
                 out.append((peer_pid, pid, got - start))
         return out

@@ -140,3 +140,15 @@ def test_two_raylets_same_clients_for_dock_and_central_verified(monkeypatch):
     assert c["tcp_bytes_cross_node"] >= c["payload_bytes_by_client_node"]["node_b"]
     assert d["tcp_bytes_cross_node"] > 0
     assert any("raylet -> node_" in k for k in c["cross_node_top_pairs"])
+
+
+def test_a_socket_opened_after_an_empty_first_sample_counts_from_zero(monkeypatch):
+    # A quiet machine (a fresh CI runner) has no established TCP socket when the tally starts; the socket
+    # found by the next sample must count all its bytes, not start from what it had by then (which lost the
+    # 3 MB of the test above in CI).
+    snaps = iter([{}, {("a:1", "b:2"): (11, 700)}, {("a:1", "b:2"): (11, 1000)}])
+    monkeypatch.setattr(dtn, "ss_snapshot", lambda: next(snaps))
+    tally = dtn.TcpTally()
+    for _ in range(3):
+        tally._sample()
+    assert tally.deltas() == [(-1, 11, 1000)]
