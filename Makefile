@@ -139,12 +139,14 @@ test-vllm: setup-vllm
 # lifecycle, checkpointing; they ship in its wheel), unmodified, with its SimpleStorage and with msrl_core's
 # MsrlDock storage backend in the same run (tq_tests/conftest.py), plus tq_tests/. Own environment.
 TQ_VENV ?= .venv-tq
+# verl's main pins tensordict<=0.10.0: `make test-tq TQ_VENV=.venv-tq010 TQ_TENSORDICT=0.10.0` runs the tier on it
+TQ_TENSORDICT ?= 0.15.3
 TQ_E2E_FILES := test_kv_interface_e2e.py test_e2e_lifecycle_consistency.py test_checkpoint_e2e.py
 .PHONY: setup-tq test-tq
 setup-tq:
 	@[ -x $(TQ_VENV)/bin/python ] || $(PY) -m venv $(TQ_VENV)
 	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)"
-	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/tq.txt
+	$(TQ_VENV)/bin/python -m pip install -q "$(TORCH_PIN)" -r requirements/tq.txt "tensordict==$(TQ_TENSORDICT)"
 	$(TQ_VENV)/bin/python -m pip install -q --no-build-isolation .
 
 # Two passes: TQ's files with SimpleStorage and MsrlDock (+ tq_tests), then TQ's key-value file with

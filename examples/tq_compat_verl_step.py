@@ -146,7 +146,7 @@ def run_step(tq) -> None:  # noqa: ANN001 (the module installed as transfer_queu
     assert padded.shape == (len(keys), max(len(r) for r in responses))
     half = len(keys) // DP
     assert all(float(x[0]) == -0.5 - (i // half) for i, x in enumerate(got["old_log_probs"].unbind()))
-    assert got["raw_prompt"].tolist() == [chats[p] for p in range(PROMPTS) for _ in range(N)]
+    assert list(got["raw_prompt"]) == [chats[p] for p in range(PROMPTS) for _ in range(N)]
     lp = tq.kv_batch_get(keys=keys, partition_id="train", select_fields="rollout_log_probs")
     assert all(torch.equal(a, b) for a, b in zip(lp["rollout_log_probs"].unbind(), log_probs, strict=True))
     tq.kv_clear(keys=uids + keys, partition_id="train")

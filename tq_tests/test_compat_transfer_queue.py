@@ -83,7 +83,7 @@ def test_dense_in_comes_back_jagged_and_objects_as_nontensorstack(compat) -> Non
     assert got["ids"].is_nested and got["ids"].layout == torch.jagged
     assert got["ids"].offsets().diff().tolist() == [5, 5]
     assert got["ids"].to_padded_tensor(0).shape == (2, 5)
-    assert got["raw_prompt"].tolist() == chats  # the container TensorDict makes of it, as with SimpleStorage
+    assert list(got["raw_prompt"]) == chats  # the container TensorDict makes of it, as with SimpleStorage
 
 
 def test_delete_by_key_frees_the_row_for_reuse(compat) -> None:

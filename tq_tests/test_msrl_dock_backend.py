@@ -87,7 +87,7 @@ def test_objects_and_tags_round_trip(tq_msrl) -> None:
         tags=[{"status": "pending"}, {"status": "running"}],
     )
     got = tq.kv_batch_get(keys=["u0", "u1"], partition_id="p")
-    assert got["raw_prompt"].tolist() == chats and got["uid"].tolist() == ["u0", ""]
+    assert list(got["raw_prompt"]) == chats and list(got["uid"]) == ["u0", ""]
     assert tq.kv_list(partition_id="p")["p"] == {"u0": {"status": "pending"}, "u1": {"status": "running"}}
 
 
@@ -111,7 +111,7 @@ def test_checkpoint_restores_storage_exactly(tq_msrl, tmp_path) -> None:
     got = tq.kv_batch_get(keys=["c0", "c1"], partition_id="ck")
     assert [t.tolist() for t in got["ids"].unbind()] == [[0, 1, 2], [0, 1, 2, 3, 4]]
     assert torch.equal(torch.stack(list(got["bf"].unbind())).view(torch.int16), data["bf"].view(torch.int16))
-    assert got["text"].tolist() == ["s0", "s1"]
+    assert list(got["text"]) == ["s0", "s1"]
     assert "ck2" not in tq.get_client().get_partition_list()
 
 
