@@ -179,18 +179,11 @@ class BucketStream:
                 t1 = time.perf_counter()
                 if k in self._direct:
                     err = self._copy_direct(k, out, cur_stream, deadline)
-                elif k in self._p2p:
-                    gathered, err = gatherer.exchange_params(cur, scratch, self._p2p[k], deadline)
-                    t1 = time.perf_counter()
-                    if err is None and cplans[k] is not None:
-                        try:
-                            self._engine.execute(cplans[k], out, gathered, after=cur_stream).wait(
-                                deadline.left()
-                            )
-                        except Exception as e:
-                            err = e
                 else:
-                    gathered, err = gatherer.gather(cur, scratch, deadline)
+                    if k in self._p2p:
+                        gathered, err = gatherer.exchange_params(cur, scratch, self._p2p[k], deadline)
+                    else:
+                        gathered, err = gatherer.gather(cur, scratch, deadline)
                     t1 = time.perf_counter()
                     if err is None and cplans[k] is not None:
                         try:
